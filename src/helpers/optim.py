@@ -1,0 +1,66 @@
+"""Adam with one learning rate for the pre-trained body and another for the new head, and an audit of it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ParamGroupError(ValueError):
+    """An optimizer's parameter groups miss a trainable parameter, repeat one, or hold a stranger."""
+
+
+def two_lr_adam(net: nn.Module, body_lr: float = 5e-5, head_lr: float = 1e-4) -> torch.optim.Adam:
+    """The memo's optimizer: ``net.bert`` at ``body_lr``, ``net.linear`` at ``head_lr``.
+
+    Pass the plain model (``unwrap(net)`` for a wrapped one); each group carries a "name" for audits.
+    """
+    return torch.optim.Adam([
+        {"params": net.bert.parameters(), "lr": body_lr, "name": "bert"},
+        {"params": net.linear.parameters(), "lr": head_lr, "name": "linear"},
+    ])
+
+
+def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Check that every trainable parameter of ``model`` sits in exactly one group; one row per group.
+
+    Raises ParamGroupError naming the parameters that are missing, in two groups, or not the model's.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups_of: dict[int, list[int]] = {}
+    rows = []
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            groups_of.setdefault(id(p), []).append(index)
+        rows.append({
+            "group": group.get("name", str(index)),
+            "tensors": len(group["params"]),
+            "params": sum(p.numel() for p in group["params"]),
+            "lr": group["lr"],
+        })
+    problems = []
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in groups_of]
+    if missing:
+        problems.append(f"not in any group: {_short(missing)}")
+    repeated = [f"{names.get(key, '?')} (groups {where})" for key, where in groups_of.items() if len(where) > 1]
+    if repeated:
+        problems.append(f"in more than one group: {_short(repeated)}")
+    strangers = sum(key not in names for key in groups_of)
+    if strangers:
+        problems.append(f"{strangers} tensor(s) that are not parameters of {type(model).__name__}")
+    if problems:
+        raise ParamGroupError("; ".join(problems))
+    return rows
+
+
+def format_param_groups(rows: list[dict]) -> str:
+    """The rows of ``audit_param_groups`` as a fixed-width table."""
+    lines = [f"{'group':<10}{'tensors':>8}{'params':>12}{'lr':>10}"]
+    lines += [f"{r['group']:<10}{r['tensors']:>8}{r['params']:>12,}{r['lr']:>10.0e}" for r in rows]
+    lines.append(f"{'total':<10}{sum(r['tensors'] for r in rows):>8}{sum(r['params'] for r in rows):>12,}")
+    return "\n".join(lines)
+
+
+def _short(names: list[str], limit: int = 5) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
