@@ -22,10 +22,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 # Re-execute every notebook top to bottom, in place, so committed outputs are the code's own.
+# The second pass merges stream chunks, whose split depends on timing, so re-runs give identical files.
 notebooks: $(STAMP)
 	for nb in $(NOTEBOOKS); do \
 	  $(NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	  $(BIN)/jupyter nbconvert --to notebook --inplace --coalesce-streams "$$nb" || exit 1; \
 	done
 
 # Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
@@ -37,7 +39,6 @@ benchmarks: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@

@@ -87,10 +87,9 @@ def load_examples(path: str | Path, *, encoding: str = "utf-8", labels: tuple[st
 
 def _decode(path: Path, encoding: str) -> str:
     raw = path.read_bytes()
-    if encoding.lower().replace("-", "").replace("_", "") == "utf8":
-        encoding = "utf-8-sig"  # Excel's "CSV UTF-8" starts with a byte order mark
+    is_utf8 = encoding.lower().replace("-", "").replace("_", "") == "utf8"
     try:
-        return raw.decode(encoding)
+        return raw.decode("utf-8-sig" if is_utf8 else encoding)  # Excel's "CSV UTF-8" starts with a BOM
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
         raise DataFileError(

@@ -41,10 +41,10 @@ def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
     problems = []
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in groups_of]
     if missing:
-        problems.append(f"not in any group: {_short(missing)}")
+        problems.append(f"not in any group: {abbreviate(missing)}")
     repeated = [f"{names.get(key, '?')} (groups {where})" for key, where in groups_of.items() if len(where) > 1]
     if repeated:
-        problems.append(f"in more than one group: {_short(repeated)}")
+        problems.append(f"in more than one group: {abbreviate(repeated)}")
     strangers = sum(key not in names for key in groups_of)
     if strangers:
         problems.append(f"{strangers} tensor(s) that are not parameters of {type(model).__name__}")
@@ -61,6 +61,7 @@ def format_param_groups(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _short(names: list[str], limit: int = 5) -> str:
+def abbreviate(names: list[str], limit: int = 5) -> str:
+    """The first ``limit`` names, and how many more there are."""
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more

@@ -47,6 +47,6 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
         val = evaluate(model, val_loader)
         history.append({"epoch": epoch, "train_loss": train_loss, "val_loss": val["loss"],
                         "val_accuracy": val["accuracy"]})
-        print(f"epoch {epoch}: train loss {train_loss:.3f}  val loss {val['loss']:.3f}  "
-              f"val accuracy {val['accuracy']:.3f}")
+        print(f"epoch {epoch}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
+              f"val accuracy {val['accuracy']:.2f}")
     return history
