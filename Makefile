@@ -10,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/s
 NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval-sanitize.cfg
 
-.PHONY: lab test unit notebooks tiny-model benchmarks clean
+.PHONY: lab test unit notebooks tiny-model clean
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
@@ -33,9 +33,6 @@ notebooks: $(STAMP)
 # Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
-
-benchmarks: $(STAMP)
-	for script in benchmarks/*.py; do $(BIN)/python "$$script" || exit 1; done
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

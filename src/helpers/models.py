@@ -67,6 +67,7 @@ def _tokenizer_config(name: str, source: str) -> dict:
     from transformers.utils import cached_file
 
     try:
+        cached_file(source, "config.json")  # every model has one, so this raises when the model is not found
         path = cached_file(source, "tokenizer_config.json", _raise_exceptions_for_missing_entries=False)
     except (OSError, ValueError) as error:  # ValueError: a string that is neither a path nor a valid hub id
         raise ModelNotAvailableError(

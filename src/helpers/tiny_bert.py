@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertJapaneseTokenizer, BertModel
+from transformers.utils import logging as transformers_logging
 from transformers.models.bert_japanese.tokenization_bert_japanese import MecabTokenizer
 
 from helpers.data import SPLITS, load_split
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    transformers_logging.disable_progress_bar()
     losses = build_tiny_bert(args.out_dir, args.steps, args.seed)
     first, last = (sum(part) / len(part) for part in (losses[:50], losses[-50:]))
     print(f"masked-LM loss {first:.2f} -> {last:.2f} over {args.steps} steps "

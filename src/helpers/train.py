@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 
-def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None) -> float:
-    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the mean training loss."""
+def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None) -> list[float]:
+    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every batch."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.train()
-    total, count = 0.0, 0
-    for batch in tqdm(loader, desc="train", leave=False):
+    losses = []
+    # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs
+    for batch in tqdm(loader, desc="train", leave=False, disable=os.environ.get("TQDM_DISABLE") == "1"):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = loss_fn(logits, batch["labels"])
         loss.backward()
@@ -20,9 +23,8 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
-        total += loss.item() * len(batch["labels"])
-        count += len(batch["labels"])
-    return total / count
+        losses.append(loss.item())
+    return losses
 
 
 @torch.no_grad()
@@ -40,13 +42,17 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
 
 
 def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3) -> list[dict]:
-    """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it."""
+    """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it.
+
+    ``train_loss`` is the mean of the epoch's batch losses, which are kept in ``batch_losses`` for plots.
+    """
     history = []
     for epoch in range(1, epochs + 1):
-        train_loss = train_epoch(model, train_loader, optimizer, scheduler)
+        batch_losses = train_epoch(model, train_loader, optimizer, scheduler)
+        train_loss = sum(batch_losses) / len(batch_losses)
         val = evaluate(model, val_loader)
-        history.append({"epoch": epoch, "train_loss": train_loss, "val_loss": val["loss"],
-                        "val_accuracy": val["accuracy"]})
+        history.append({"epoch": epoch, "train_loss": train_loss, "batch_losses": batch_losses,
+                        "val_loss": val["loss"], "val_accuracy": val["accuracy"]})
         print(f"epoch {epoch}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
               f"val accuracy {val['accuracy']:.2f}")
     return history
