@@ -1,0 +1,42 @@
+"""The training loop really trains, and evaluate() measures what it says."""
+
+import torch
+from transformers import set_seed
+
+from helpers.data import load_split, make_loader
+from helpers.models import load_tokenizer
+from helpers.net import Net
+from helpers.optim import two_lr_adam
+from helpers.train import evaluate, fit, train_epoch
+
+
+def test_fit_lowers_the_training_loss_and_records_every_batch(capsys):
+    set_seed(0)
+    tokenizer = load_tokenizer()
+    examples = load_split("train")[:64]
+    loader = make_loader(examples, tokenizer, batch_size=16, shuffle=True)
+    net = Net()
+    history = fit(net, loader, loader, two_lr_adam(net, 1e-3, 1e-3), epochs=4)
+    assert [row["epoch"] for row in history] == [1, 2, 3, 4]
+    assert all(len(row["batch_losses"]) == 4 for row in history)
+    assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.1
+    assert capsys.readouterr().out.count("val accuracy") == 4
+
+
+def test_evaluate_counts_correct_predictions():
+    tokenizer = load_tokenizer()
+    examples = load_split("validation")[:20]
+    net = Net().eval()
+    result = evaluate(net, make_loader(examples, tokenizer, batch_size=8))
+    batch = make_loader(examples, tokenizer, batch_size=20).__iter__().__next__()
+    with torch.no_grad():
+        predictions = net(batch["input_ids"], batch["attention_mask"]).argmax(-1)
+    assert result["accuracy"] == (predictions == batch["labels"]).sum().item() / 20
+
+
+def test_train_epoch_updates_the_weights():
+    tokenizer = load_tokenizer()
+    net = Net()
+    before = net.linear.weight.detach().clone()
+    losses = train_epoch(net, make_loader(load_split("train")[:8], tokenizer, 4), two_lr_adam(net))
+    assert len(losses) == 2 and not torch.equal(before, net.linear.weight)
