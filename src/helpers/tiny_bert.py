@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import unicodedata
 import tempfile
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertJapaneseTokenizer, BertModel
-from transformers.utils import logging as transformers_logging
 from transformers.models.bert_japanese.tokenization_bert_japanese import MecabTokenizer
+from transformers.utils import logging as transformers_logging
 
 from helpers.data import SPLITS, load_split
 
