@@ -1,6 +1,7 @@
 """What the machine offers: versions, and NVML's answer with or without a driver."""
 
 import pynvml
+import torch
 
 from helpers.system import device_summary, library_versions, nvml_status
 
@@ -30,8 +31,6 @@ def test_nvml_with_a_driver_reports_it(monkeypatch):
 
 
 def test_device_summary_matches_torch():
-    import torch
-
     summary = device_summary()
     assert summary["cuda_available"] == torch.cuda.is_available()
     assert len(summary["cuda_devices"]) == torch.cuda.device_count()

@@ -28,7 +28,7 @@ def test_evaluate_counts_correct_predictions():
     examples = load_split("validation")[:20]
     net = Net().eval()
     result = evaluate(net, make_loader(examples, tokenizer, batch_size=8))
-    batch = make_loader(examples, tokenizer, batch_size=20).__iter__().__next__()
+    batch = next(iter(make_loader(examples, tokenizer, batch_size=20)))
     with torch.no_grad():
         predictions = net(batch["input_ids"], batch["attention_mask"]).argmax(-1)
     assert result["accuracy"] == (predictions == batch["labels"]).sum().item() / 20
