@@ -7,7 +7,7 @@ from helpers.data import load_split, make_loader
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
-from helpers.train import evaluate, fit, train_epoch
+from helpers.train import evaluate, fit, input_device, train_epoch
 
 
 def test_fit_lowers_the_training_loss_and_records_every_batch(capsys):
@@ -40,3 +40,24 @@ def test_train_epoch_updates_the_weights():
     before = net.linear.weight.detach().clone()
     losses = train_epoch(net, make_loader(load_split("train")[:8], tokenizer, 4), two_lr_adam(net))
     assert len(losses) == 2 and not torch.equal(before, net.linear.weight)
+
+
+def test_input_device_follows_the_parameters_and_dataparallel():
+    net = Net()
+    assert input_device(net) == torch.device("cpu")
+    # Without CUDA, DataParallel keeps device_ids empty and calls the model where it is.
+    assert input_device(torch.nn.DataParallel(net)) == torch.device("cpu")
+    assert input_device(torch.compile(net)) == torch.device("cpu")
+
+
+def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
+    tokenizer = load_tokenizer()
+    loader = make_loader(load_split("train")[:8], tokenizer, 4)
+    for wrap in (torch.nn.DataParallel, torch.compile):
+        set_seed(0)
+        net = Net()
+        before = net.linear.weight.detach().clone()
+        model = wrap(net)
+        assert len(train_epoch(model, loader, two_lr_adam(net))) == 2
+        assert not torch.equal(before, net.linear.weight)
+        assert 0.0 <= evaluate(model, loader)["accuracy"] <= 1.0

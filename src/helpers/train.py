@@ -9,13 +9,32 @@ from torch import nn
 from tqdm.auto import tqdm
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """The device a batch must be on before ``model(...)``: where its output and the labels meet.
+
+    DataParallel scatters inputs from ``device_ids[0]`` (and gathers outputs there); a plain, compiled or
+    DDP-wrapped model computes where its parameters are. On a machine without CUDA, DataParallel keeps
+    ``device_ids`` empty and simply calls the model, so the parameters' device is right there too.
+    """
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        return torch.device("cuda", model.device_ids[0])
+    return next(model.parameters()).device
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``batch`` on ``device``; ``non_blocking`` lets a pinned-memory copy overlap compute."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
 def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None) -> list[float]:
     """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every batch."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.train()
+    device = input_device(model)
     losses = []
     # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs
     for batch in tqdm(loader, desc="train", leave=False, disable=os.environ.get("TQDM_DISABLE") == "1"):
+        batch = to_device(batch, device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = loss_fn(logits, batch["labels"])
         loss.backward()
@@ -32,8 +51,10 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
     """Mean loss and accuracy of ``model`` on ``loader``, in eval mode (no dropout)."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.eval()
+    device = input_device(model)
     total, correct, count = 0.0, 0, 0
     for batch in loader:
+        batch = to_device(batch, device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         total += loss_fn(logits, batch["labels"]).item() * len(batch["labels"])
         correct += (logits.argmax(dim=-1) == batch["labels"]).sum().item()
