@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers.finetune import weights_digest
+from helpers.ddp_equivalence import weights_digest
 from helpers.net import Net
 
 TIMEOUT = 300
@@ -46,6 +46,16 @@ def test_two_processes_split_the_global_batch_and_end_with_identical_weights():
     first, second = result["weights_sha256"]
     assert first == second
     assert 0.0 <= result["history"][0]["val_accuracy"] <= 1.0
+
+
+def test_ddp_gradients_on_two_halves_equal_one_process_on_the_whole_batch():
+    run = torchrun("-m", "helpers.finetune", *SMALL, "--check-equivalence")
+    assert run.returncode == 0, run.stderr
+    check = last_json(run.stdout)["equivalence"]
+    assert (check["world_size"], check["per_rank_batch_size"], check["gradient_tensors"]) == (2, 4, 71)
+    assert check["max_abs_grad_diff"] <= 1e-6
+    assert check["loss_mean_over_ranks"] == pytest.approx(check["loss_one_process"], abs=1e-6)
+    assert check["weights_identical_on_all_ranks"]
 
 
 def test_a_plain_process_trains_and_writes_the_model_it_reports(tmp_path):
@@ -85,16 +95,6 @@ def test_the_memos_network_with_its_unused_pooler_stops_ddp_on_the_second_step()
     assert run.returncode != 0
     assert "RuntimeError: Expected to have finished reduction in the prior iteration" in run.stderr
     assert "Parameter indices which did not receive grad for rank 0: 69 70" in run.stderr  # the pooler's two
-
-
-def test_ddp_gradients_equal_one_process_on_the_whole_batch():
-    run = torchrun("-m", "helpers.ddp_equivalence", "--global-batch-size", "8")
-    assert run.returncode == 0, run.stderr
-    result = last_json(run.stdout)
-    assert (result["world_size"], result["per_rank_batch_size"], result["gradient_tensors"]) == (2, 4, 71)
-    assert result["max_abs_grad_diff"] <= 1e-6
-    assert result["loss_mean_over_ranks"] == pytest.approx(result["loss_one_process"], abs=1e-6)
-    assert result["weights_identical_on_all_ranks"]
 
 
 def launch_ranks(args, envs):

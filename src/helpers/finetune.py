@@ -11,7 +11,6 @@ helpers.train.train_epoch. Rank 0 logs, evaluates and writes files; the last lin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers import distributed
 from helpers.data import PadToLongest, load_split
+from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
 from helpers.net import Net
 from helpers.optim import two_lr_adam
@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="model initialization and shuffling; dropout uses seed + rank on each process")
     parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
     parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and net.pt here")
+    parser.add_argument("--check-equivalence", action="store_true",
+                        help="first compare one DDP step with one process on the first global-batch-size training "
+                             "examples (dropout off): gradients and weights")
     parser.add_argument("--keep-pooler", action="store_true",
                         help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
     return parser.parse_args(argv)
@@ -87,15 +90,6 @@ def output_dir_problem(path: Path) -> str | None:
     return None
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every tensor of the state_dict, in key order: equal digests mean bitwise equal weights."""
-    digest = hashlib.sha256()
-    for key, tensor in model.state_dict().items():
-        digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def log(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
@@ -122,6 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
     train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
                               collate_fn=PadToLongest(tokenizer))
     val_loader = DataLoader(load_split("validation"), batch_size=64, collate_fn=PadToLongest(tokenizer))
+    equivalence = None
+    if args.check_equivalence:
+        equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
+                                               PadToLongest(tokenizer), device, args.seed)
+        print_comparison(equivalence)
 
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
     net = Net(args.model, pooler=args.keep_pooler).to(device)
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist.all_gather_object(digests, weights_digest(unwrap(model)))
     result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
               "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
-              "weights_sha256": digests}
+              "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
     if rank == 0:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
