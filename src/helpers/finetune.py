@@ -1,8 +1,9 @@
 """Fine-tune Net with DistributedDataParallel: notebook 02's training, one process per device.
 
-    torchrun --nproc_per_node=2 -m helpers.finetune            # 2 processes on this machine
-    python -m helpers.finetune                                 # one plain process
+    torchrun --standalone --nproc_per_node=2 -m helpers.finetune     # 2 processes on this machine
+    python -m helpers.finetune                                       # one plain process
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 -m helpers.finetune
+                                                                     # the same command on each of 2 machines
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
 helpers.train.train_epoch. Rank 0 logs, evaluates and writes files; the last line it prints is JSON.
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=32,
                         help="examples per optimizer step over all processes (default 32, as notebook 02); each "
                              "process takes global-batch-size / number-of-processes of them (the per-rank batch)")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the training data (default 2, as 02)")
     parser.add_argument("--body-lr", type=float, default=5e-4, help="peak learning rate of BERT (default: 02's)")
     parser.add_argument("--head-lr", type=float, default=1e-3, help="peak learning rate of the head (default: 02's)")
     parser.add_argument("--seed", type=int, default=0,
@@ -91,6 +92,7 @@ def output_dir_problem(path: Path) -> str | None:
 
 
 def log(*args) -> None:
+    """Print on rank 0 only, so N processes do not print every line N times."""
     if dist.get_rank() == 0:
         print(*args, flush=True)
 
