@@ -1,6 +1,6 @@
 """Samples/s of BERT training with 1 process vs 2 DDP processes (gloo, CPU), at a fixed global batch.
 
-    python benchmarks/ddp_scaling.py            # about 3 minutes on 2 cores
+    python benchmarks/ddp_scaling.py            # a few minutes on an idle 2-core machine
 
 Three set-ups, measured side by side in rounds (so a change in machine load hits all of them):
   1 process x 1 thread, 2 DDP processes x 1 thread each, 1 process x 2 threads.
