@@ -69,9 +69,10 @@ def epoch_seconds_512(net: Net, loader, batches: int) -> float:
     return common.median(times) * len(loader)
 
 
-def run(repeats: int = 3, batches_512: int = 5) -> dict:
+def run(repeats: int = 3, batches_512: int = 5, examples: int | None = None) -> dict:
+    """``examples`` trains on the first N training sentences only (a quick check on a busy machine)."""
     tokenizer = load_tokenizer()
-    train = load_split("train")
+    train = load_split("train")[:examples]
     generator = torch.Generator().manual_seed(0)
     pad_512 = DataLoader(train, BATCH_SIZE, shuffle=True, generator=generator, collate_fn=PadTo512(tokenizer, 512))
     dynamic = {
@@ -89,10 +90,11 @@ def run(repeats: int = 3, batches_512: int = 5) -> dict:
             optimizer = two_lr_adam(net, body_lr=5e-4, head_lr=1e-3)
             with common.stopwatch(times[name]):
                 train_epoch(net, loader, optimizer)
+        print("  padding:", ", ".join(f"{name} {values[-1]:.1f} s" for name, values in times.items()), flush=True)
     tokens = {"pad to 512": len(train) * 512,
               **{name: sum(batch["attention_mask"].numel() for batch in loader) for name, loader in dynamic.items()}}
     return {"epoch_s": {name: common.median(values) for name, values in times.items()}, "tokens": tokens,
-            "repeats": repeats, "batches_512": batches_512}
+            "repeats": repeats, "batches_512": batches_512, "examples": len(train)}
 
 
 def report(result: dict) -> list[str]:
@@ -106,5 +108,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches-512", type=int, default=5, help="batches timed per repeat when padding to 512")
+    parser.add_argument("--examples", type=int, help="train on the first N sentences only (default: all)")
     args = parser.parse_args()
-    print("\n".join(report(run(args.repeats, args.batches_512))))
+    print("\n".join(report(run(args.repeats, args.batches_512, args.examples))))

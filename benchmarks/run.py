@@ -23,11 +23,13 @@ DDP_SCRIPT = HERE / "ddp_scaling.py"  # written with notebook 06; run when it is
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
-def ddp_scaling() -> str | None:
-    """The DDP benchmark's own printout, or None where the script is not in the tree yet."""
+def ddp_scaling(rounds: int) -> str | None:
+    """The DDP benchmark's own printout (1 vs 2 processes, and 1 process x 2 threads), or None where the
+    script is not in the tree yet."""
     if not DDP_SCRIPT.exists():
         return None
-    done = subprocess.run([sys.executable, str(DDP_SCRIPT)], capture_output=True, text=True, cwd=HERE.parent)
+    done = subprocess.run([sys.executable, str(DDP_SCRIPT), "--rounds", str(rounds)], capture_output=True, text=True,
+                          cwd=HERE.parent)
     return done.stdout.strip() + (f"\n(exit {done.returncode}: {done.stderr.strip()[-500:]})" if done.returncode else "")
 
 
@@ -37,7 +39,8 @@ def verdict(ok: bool) -> str:
 
 def markdown(machine: str, args, pad: dict | None, hf: dict | None, nbs: dict | None, ddp: str | None) -> str:
     lines = [f"Measured on {machine}, {datetime.date.today().isoformat()}; medians of {args.repeats} "
-             f"repetitions (notebooks: {args.notebook_repeats}).", "",
+             f"repetitions (notebooks: {args.notebook_repeats})" +
+             (f"; training on the first {args.examples} sentences only" if args.examples else "") + ".", "",
              "| benchmark | measured | target | met |", "|---|---|---|---|"]
     if pad:
         seconds = pad["epoch_s"]
@@ -66,7 +69,7 @@ def markdown(machine: str, args, pad: dict | None, hf: dict | None, nbs: dict | 
         lines += ["", f"Padding to 512: median time of {pad['batches_512']} batches × batches per epoch (every "
                   f"batch has the same shape). Token slots per epoch: " +
                   ", ".join(f"{name} {count:,}" for name, count in pad["tokens"].items()) + "."]
-    lines += ["", "DDP, 1 vs 2 processes (`benchmarks/ddp_scaling.py`):", ""]
+    lines += ["", "DDP, 1 vs 2 processes and 1 process × 2 threads (`benchmarks/ddp_scaling.py`):", ""]
     lines += ["```", ddp, "```"] if ddp else ["not measured: `benchmarks/ddp_scaling.py` is not in this tree."]
     return "\n".join(lines) + "\n"
 
@@ -83,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the padding and Trainer benchmarks")
     parser.add_argument("--batches-512", type=int, default=5, help="batches timed per repetition when padding to 512")
+    parser.add_argument("--examples", type=int, help="train on the first N sentences only (a quick check)")
     parser.add_argument("--notebook-repeats", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "notebooks"])
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
@@ -92,13 +96,13 @@ def main() -> None:
     print(f"machine: {machine}")
     pad = hf = nbs = ddp = None
     if "padding" not in args.skip:
-        pad = padding.run(args.repeats, args.batches_512)
+        pad = padding.run(args.repeats, args.batches_512, args.examples)
         print("\n".join(["", "== padding: one training epoch"] + padding.report(pad)), flush=True)
     if "trainer" not in args.skip:
-        hf = trainer_vs_loop.run(args.repeats)
+        hf = trainer_vs_loop.run(args.repeats, args.examples)
         print("\n".join(["", "== project loop vs Hugging Face Trainer"] + trainer_vs_loop.report(hf)), flush=True)
     if "ddp" not in args.skip:
-        ddp = ddp_scaling()
+        ddp = ddp_scaling(args.repeats)
         print("\n".join(["", "== DDP scaling", ddp or "benchmarks/ddp_scaling.py is not in this tree"]), flush=True)
     if "notebooks" not in args.skip:
         nbs = notebooks.run(args.notebook_repeats)
