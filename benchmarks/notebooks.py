@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 NB_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
 
 
-def notebooks() -> list[Path]:
-    return sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "notebooks/solutions").glob("*.ipynb"))
+def notebooks(pattern: str = "*.ipynb") -> list[Path]:
+    return sorted((ROOT / "notebooks").glob(pattern)) + sorted((ROOT / "notebooks/solutions").glob(pattern))
 
 
-def run(repeats: int = 1) -> dict:
-    times = {str(nb.relative_to(ROOT)): [] for nb in notebooks()}
+def run(repeats: int = 1, pattern: str = "*.ipynb") -> dict:
+    times = {str(nb.relative_to(ROOT)): [] for nb in notebooks(pattern)}
     failed = []
     for _ in range(repeats):
         for name, values in times.items():
@@ -43,4 +43,6 @@ def report(result: dict) -> list[str]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
-    print("\n".join(report(run(parser.parse_args().repeats))))
+    parser.add_argument("--pattern", default="*.ipynb", help="which notebooks, e.g. '03_*'")
+    args = parser.parse_args()
+    print("\n".join(report(run(args.repeats, args.pattern))))

@@ -117,8 +117,8 @@ def browser():
 def page(browser, request):
     """A fresh browser tab; its last state is saved as a screenshot whether the test passed or failed."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    tab = context.new_page()
     try:
-        tab = context.new_page()
         yield tab
     finally:
         try:
