@@ -22,6 +22,14 @@ def stopwatch(times: list[float]):
     times.append(time.perf_counter() - start)
 
 
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads; on a machine shared with other jobs, 1 avoids threads waiting for each other."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

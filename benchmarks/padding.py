@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import random
 
 import common  # noqa: F401  (sets the quiet, offline environment before transformers is imported)
@@ -60,12 +59,12 @@ def network_with_512_positions() -> Net:
 def epoch_seconds_512(net: Net, loader, batches: int) -> float:
     """A pad-to-512 epoch: every batch has the same shape, so ``len(loader)`` times the median batch time."""
     optimizer = two_lr_adam(net, body_lr=5e-4, head_lr=1e-3)
-    sample = list(itertools.islice(loader, batches + 1))
-    train_epoch(net, sample[:1], optimizer)  # warm-up: first-call allocations
+    batches_in_order = iter(loader)
+    train_epoch(net, [next(batches_in_order)], optimizer)  # warm-up: first-call allocations
     times = []
-    for batch in sample[1:]:
-        with common.stopwatch(times):
-            train_epoch(net, [batch], optimizer)
+    for _ in range(batches):
+        with common.stopwatch(times):  # collate (tokenize, pad) and train, as in a whole epoch
+            train_epoch(net, [next(batches_in_order)], optimizer)
     return common.median(times) * len(loader)
 
 
@@ -73,10 +72,12 @@ def run(repeats: int = 3, batches_512: int = 5, examples: int | None = None) -> 
     """``examples`` trains on the first N training sentences only (a quick check on a busy machine)."""
     tokenizer = load_tokenizer()
     train = load_split("train")[:examples]
-    generator = torch.Generator().manual_seed(0)
-    pad_512 = DataLoader(train, BATCH_SIZE, shuffle=True, generator=generator, collate_fn=PadTo512(tokenizer, 512))
+    def seeded():  # one generator per side: repetition k draws the same batch order on both
+        return torch.Generator().manual_seed(0)
+
+    pad_512 = DataLoader(train, BATCH_SIZE, shuffle=True, generator=seeded(), collate_fn=PadTo512(tokenizer, 512))
     dynamic = {
-        "pad to longest": DataLoader(train, BATCH_SIZE, shuffle=True, generator=generator,
+        "pad to longest": DataLoader(train, BATCH_SIZE, shuffle=True, generator=seeded(),
                                      collate_fn=PadToLongest(tokenizer, 512)),
         "pad to longest + length buckets": DataLoader(
             train, batch_sampler=bucketed_batches(train, tokenizer, BATCH_SIZE), collate_fn=PadToLongest(tokenizer, 512)),

@@ -87,11 +87,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the padding and Trainer benchmarks")
     parser.add_argument("--batches-512", type=int, default=5, help="batches timed per repetition when padding to 512")
     parser.add_argument("--examples", type=int, help="train on the first N sentences only (a quick check)")
+    parser.add_argument("--threads", type=int, help="torch threads for the padding and Trainer benchmarks "
+                        "(default: torch's choice, one per core)")
     parser.add_argument("--notebook-repeats", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "notebooks"])
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
     args = parser.parse_args()
 
+    common.set_threads(args.threads)
     machine = common.machine()
     print(f"machine: {machine}")
     pad = hf = nbs = ddp = None
