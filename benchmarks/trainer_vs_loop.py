@@ -13,7 +13,7 @@ import tempfile
 
 import common  # noqa: F401  (sets the quiet, offline environment before transformers is imported)
 from torch import nn
-from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup, set_seed
+from transformers import PrinterCallback, Trainer, TrainingArguments, get_linear_schedule_with_warmup, set_seed
 from transformers.utils import logging
 
 from helpers.data import PadToLongest, load_split, make_loader
@@ -59,6 +59,7 @@ def hf_trainer(train, tokenizer, times: list[float]) -> Net:
             dataloader_pin_memory=False)
         trainer = Trainer(model=net, args=args, train_dataset=train, data_collator=PadToLongest(tokenizer),
                           optimizers=optimizer_and_schedule(net, steps_per_epoch), compute_loss_func=cross_entropy)
+        trainer.remove_callback(PrinterCallback)  # with tqdm off it would print the final metrics dict
         with common.stopwatch(times):
             trainer.train()
     return net
