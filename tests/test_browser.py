@@ -134,10 +134,13 @@ def screenshot(page, name: str, **options) -> None:
 
 def open_notebook(page, lab, name: str) -> None:
     base, token = lab
-    page.goto(f"{base}/lab/tree/{name}?token={token}")
+    page.goto(f"{base}/lab/tree/{name}?token={token}&reset")  # reset: no tabs left from an earlier test
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
-    page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-                           "?.status === 'idle'", timeout=120_000, polling=500)
+    # Wait for this notebook's own kernel, not that of another tab that was current a moment ago.
+    page.wait_for_function("name => { const panel = window.jupyterapp?.shell.currentWidget;"
+                           " return panel?.context?.path === name"
+                           " && panel.sessionContext?.session?.kernel?.status === 'idle'; }",
+                           arg=name, timeout=120_000, polling=500)
 
 
 def menu(page, top: str, item: str) -> None:
@@ -167,12 +170,28 @@ def notebook_cells(page) -> list[dict]:
     }""")
 
 
-def wait_until_idle(page, timeout_s: float) -> None:
-    page.wait_for_function("""() => {
-        const panel = window.jupyterapp.shell.currentWidget;
-        return panel.sessionContext.session?.kernel?.status === 'idle'
-            && ![...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*'));
-    }""", timeout=timeout_s * 1000, polling=500)
+def wait_until_done(page, timeout_s: float, quiet_s: float = 5) -> None:
+    """Until every code cell has run and the kernel is idle, or nothing has run or been queued for ``quiet_s``
+    (Run All stopped early). Run All sends cells one at a time, so the kernel is briefly idle in between."""
+    deadline, quiet_since = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        state = page.evaluate("""() => {
+            const panel = window.jupyterapp.shell.currentWidget;
+            const cells = [...Array(panel.content.model.cells.length).keys()].map(i => panel.content.model.cells.get(i));
+            return {idle: panel.sessionContext.session?.kernel?.status === 'idle',
+                    pending: [...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*')),
+                    all_ran: cells.every(c => c.type !== 'code' || c.executionCount !== null)};
+        }""")
+        if state["idle"] and not state["pending"]:
+            if state["all_ran"]:
+                return
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= quiet_s:
+                return
+        else:
+            quiet_since = None
+        time.sleep(0.25)
+    raise TimeoutError(f"the notebook was still running after {timeout_s} s")
 
 
 def test_notebook_03_run_all_shows_the_real_attributeerror_and_nothing_else_fails(page, lab):
@@ -182,7 +201,7 @@ def test_notebook_03_run_all_shows_the_real_attributeerror_and_nothing_else_fail
     assert all(not cell["outputs"] and cell["count"] is None for cell in cleared)
 
     menu(page, "Run", "Run All Cells")
-    wait_until_idle(page, timeout_s=240)
+    wait_until_done(page, timeout_s=240)
     cells = notebook_cells(page)
     screenshot(page, "03_run_all.png")
 
@@ -215,7 +234,7 @@ def test_notebook_02_training_draws_a_live_tqdm_widget(page, lab):
     progress.scroll_into_view_if_needed()
     screenshot(page, "02_tqdm_widget.png")
     menu(page, "Kernel", "Interrupt Kernel")
-    wait_until_idle(page, timeout_s=60)
+    wait_until_done(page, timeout_s=60)
 
     assert re.search(r"train:\s+\d+%", label), label
     cells = notebook_cells(page)
