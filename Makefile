@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 MODEL := src/helpers/assets/tiny-japanese-bert
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/solutions/*.ipynb))
 
@@ -10,16 +11,17 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/s
 NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 NBVAL := --nbval --nbval-current-env
 
-.PHONY: lab test unit notebooks tiny-model clean
+.PHONY: lab test unit notebooks tiny-model docs bench clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so.
+# LAB_ARGS adds options, e.g. the browser test's port and token: make lab LAB_ARGS="--no-browser --port=8899"
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(NB_ENV) $(BIN)/python -m pytest tests $(NBVAL) notebooks
 
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest tests
 
 # Re-execute every notebook top to bottom, in place, so committed outputs are the code's own.
@@ -31,6 +33,14 @@ notebooks: $(STAMP)
 	  $(BIN)/jupyter nbconvert --to notebook --inplace --coalesce-streams "$$nb" || exit 1; \
 	done
 
+# The static site, from the notebooks' stored outputs (nothing is re-executed): open build/site/index.html
+docs: $(DEV_STAMP)
+	$(BIN)/python docs/build.py build/site
+
+# Side-by-side timings; writes benchmarks/results.md and the table in README.md. BENCH_ARGS="--repeats 5"
+bench: $(DEV_STAMP)
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
 # Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
@@ -39,6 +49,11 @@ $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+# Tools for the site, the browser test and the benchmarks; `make lab` does without them.
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
 clean:

@@ -1,0 +1,122 @@
+"""`make bench`: every benchmark in one run, side by side; prints medians and ratios, writes
+benchmarks/results.md and the same table into README.md (between the bench markers).
+
+Repetitions are options, so a loaded machine can do a quick pass and a quiet one a careful pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+import notebooks
+import padding
+import trainer_vs_loop
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+DDP_SCRIPT = HERE / "ddp_scaling.py"  # written with notebook 06; run when it is in the tree
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def ddp_scaling(rounds: int) -> str | None:
+    """The DDP benchmark's own printout (1 vs 2 processes, and 1 process x 2 threads), or None where the
+    script is not in the tree yet."""
+    if not DDP_SCRIPT.exists():
+        return None
+    done = subprocess.run([sys.executable, str(DDP_SCRIPT), "--rounds", str(rounds)], capture_output=True, text=True,
+                          cwd=HERE.parent)
+    return done.stdout.strip() + (f"\n(exit {done.returncode}: {done.stderr.strip()[-500:]})" if done.returncode else "")
+
+
+def verdict(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def markdown(machine: str, args, pad: dict | None, hf: dict | None, nbs: dict | None, ddp: str | None) -> str:
+    lines = [f"Measured on {machine}, {datetime.date.today().isoformat()}; medians of {args.repeats} "
+             f"repetitions (notebooks: {args.notebook_repeats})" +
+             (f"; training on the first {args.examples} sentences only" if args.examples else "") + ".", "",
+             "| benchmark | measured | target | met |", "|---|---|---|---|"]
+    if pad:
+        seconds = pad["epoch_s"]
+        base = seconds["pad to 512"]
+        for name in ("pad to longest", "pad to longest + length buckets"):
+            ratio = base / seconds[name]
+            lines.append(f"| epoch time, pad to 512 → {name} | {base:.1f} s → {seconds[name]:.1f} s: "
+                         f"**{ratio:.1f}×** | ≥ 10× | {verdict(ratio >= 10)} |")
+    if hf:
+        speed, acc = hf["samples_per_s"], hf["val_accuracy"]
+        ratio = speed["project loop"] / speed["HF Trainer"]
+        lines.append(f"| training samples/s, project loop vs HF Trainer | {speed['project loop']:.0f} vs "
+                     f"{speed['HF Trainer']:.0f}: **{ratio:.2f}×** | ≥ 1.0× | {verdict(ratio >= 1.0)} |")
+        lines.append(f"| validation accuracy after {trainer_vs_loop.EPOCHS} epochs, loop vs Trainer | "
+                     f"{acc['project loop']:.3f} vs {acc['HF Trainer']:.3f} | side by side | |")
+    if nbs:
+        slowest = max(nbs["seconds"], key=nbs["seconds"].get)
+        lines.append(f"| slowest notebook under nbval | `{Path(slowest).stem}` {nbs['seconds'][slowest]:.1f} s | "
+                     f"≤ 30 s | {verdict(nbs['seconds'][slowest] <= 30)} |")
+        lines.append(f"| all {len(nbs['seconds'])} notebooks under nbval | {nbs['total']:.1f} s | ≤ 120 s | "
+                     f"{verdict(nbs['total'] <= 120)} |")
+        lines += ["", "| notebook | seconds under nbval |", "|---|---|"]
+        lines += [f"| `{name}` | {s:.1f}{' (failed)' if name in nbs['failed'] else ''} |"
+                  for name, s in nbs["seconds"].items()]
+    if pad:
+        lines += ["", f"Padding to 512: median time of {pad['batches_512']} batches × batches per epoch (every "
+                  f"batch has the same shape). Token slots per epoch: " +
+                  ", ".join(f"{name} {count:,}" for name, count in pad["tokens"].items()) + "."]
+    lines += ["", "DDP, 1 vs 2 processes and 1 process × 2 threads (`benchmarks/ddp_scaling.py`):", ""]
+    lines += ["```", ddp, "```"] if ddp else ["not measured: `benchmarks/ddp_scaling.py` is not in this tree."]
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(table: str) -> None:
+    text = README.read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        raise SystemExit(f"{README}: the markers {START} and {END} are missing")
+    head, rest = text.split(START, 1)
+    README.write_text(f"{head}{START}\n{table}{END}{rest.split(END, 1)[1]}", encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of the padding and Trainer benchmarks")
+    parser.add_argument("--batches-512", type=int, default=5, help="batches timed per repetition when padding to 512")
+    parser.add_argument("--examples", type=int, help="train on the first N sentences only (a quick check)")
+    parser.add_argument("--threads", type=int, help="torch threads for the padding and Trainer benchmarks "
+                        "(default: torch's choice, one per core)")
+    parser.add_argument("--notebook-repeats", type=int, default=1)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "notebooks"])
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    args = parser.parse_args()
+
+    common.set_threads(args.threads)
+    machine = common.machine()
+    print(f"machine: {machine}")
+    pad = hf = nbs = ddp = None
+    if "padding" not in args.skip:
+        pad = padding.run(args.repeats, args.batches_512, args.examples)
+        print("\n".join(["", "== padding: one training epoch"] + padding.report(pad)), flush=True)
+    if "trainer" not in args.skip:
+        hf = trainer_vs_loop.run(args.repeats, args.examples)
+        print("\n".join(["", "== project loop vs Hugging Face Trainer"] + trainer_vs_loop.report(hf)), flush=True)
+    if "ddp" not in args.skip:
+        ddp = ddp_scaling(args.repeats)
+        print("\n".join(["", "== DDP scaling", ddp or "benchmarks/ddp_scaling.py is not in this tree"]), flush=True)
+    if "notebooks" not in args.skip:
+        nbs = notebooks.run(args.notebook_repeats)
+        print("\n".join(["", "== notebooks under nbval"] + notebooks.report(nbs)), flush=True)
+
+    table = markdown(machine, args, pad, hf, nbs, ddp)
+    (HERE / "results.md").write_text("# Benchmark results (`make bench`)\n\n" + table, encoding="utf-8")
+    if not args.no_readme:
+        update_readme(table)
+    print(f"\nwrote {HERE / 'results.md'}" + ("" if args.no_readme else f" and the table in {README}"))
+
+
+if __name__ == "__main__":
+    main()

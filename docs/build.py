@@ -1,0 +1,97 @@
+"""Build the static site from the notebooks' stored outputs: ``python docs/build.py [OUT_DIR]``.
+
+Sphinx reads one source folder, so the notebooks are staged next to ``docs/`` (copied, never run) and the
+index gets its learning path from the notebooks themselves: each one's ``# title`` and the italic English
+summary under it. A new notebook therefore appears on the site without editing anything here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sphinx.cmd.build import build_main
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "<!-- NOTEBOOK LIST: filled in by docs/build.py from each notebook's title and English summary -->"
+
+
+@dataclass
+class Page:
+    path: str  # relative to the repository root, e.g. notebooks/solutions/02_solutions.ipynb
+    title: str
+    summary: str
+
+    @property
+    def number(self) -> str:
+        return Path(self.path).name.split("_")[0]
+
+
+def notebooks(root: Path = ROOT) -> list[Path]:
+    """Every notebook and solution the site shows, in learning order."""
+    return sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "notebooks/solutions").glob("*.ipynb"))
+
+
+def describe(notebook: Path, root: Path = ROOT) -> Page:
+    """Title and English summary from the notebook's first cell (``# title`` then ``*summary*``)."""
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    lines = "".join(cells[0]["source"]).splitlines() if cells and cells[0]["cell_type"] == "markdown" else []
+    title = next((line[2:].strip() for line in lines if line.startswith("# ")), None)
+    summary = next((m.group(1) for line in lines if (m := re.fullmatch(r"\*([^*].*[^*])\*\s*", line))), None)
+    if title is None or summary is None:
+        raise ValueError(f"{notebook}: the first cell must be markdown with a '# title' line and an "
+                         f"'*English summary*' line (found title={title!r}, summary={summary!r})")
+    return Page(str(notebook.relative_to(root)), title, summary)
+
+
+def learning_path(pages: list[Page]) -> str:
+    """The index's list of notebooks (each with its solutions) and the site's table of contents."""
+    lessons = [p for p in pages if "/solutions/" not in p.path]
+    solutions = [p for p in pages if "/solutions/" in p.path]
+    lines = []
+    for lesson in lessons:
+        lines.append(f"- **[{lesson.title}]({lesson.path})**  \n  *{lesson.summary}*")
+        for solution in (s for s in solutions if s.number == lesson.number):
+            lines.append(f"  - [{solution.title}]({solution.path}) — *{solution.summary}*")
+    orphans = [s for s in solutions if s.number not in {lesson.number for lesson in lessons}]
+    lines += [f"- [{s.title}]({s.path})  \n  *{s.summary}*" for s in orphans]
+    for caption, group in (("ノートブック — Notebooks", lessons), ("解答例 — Solutions", solutions)):
+        entries = "\n".join(f"{page.title} <{page.path.removesuffix('.ipynb')}>" for page in group)
+        lines.append(f"\n```{{toctree}}\n:hidden:\n:caption: {caption}\n\n{entries}\n```")
+    return "\n".join(lines)
+
+
+def stage(stage_dir: Path, root: Path = ROOT) -> list[Page]:
+    """Copy docs/ and the notebooks into ``stage_dir``, with the learning path written into the index."""
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    shutil.copytree(root / "docs", stage_dir, ignore=shutil.ignore_patterns("build.py", "__pycache__"))
+    pages = [describe(nb, root) for nb in notebooks(root)]
+    for page in pages:
+        (stage_dir / page.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / page.path, stage_dir / page.path)
+    index = stage_dir / "index.md"
+    text = index.read_text(encoding="utf-8")
+    if MARKER not in text:
+        raise ValueError(f"{root / 'docs/index.md'}: the line {MARKER!r} is missing")
+    index.write_text(text.replace(MARKER, learning_path(pages)), encoding="utf-8")
+    return pages
+
+
+def build(out_dir: Path, root: Path = ROOT) -> list[Page]:
+    """Build the HTML site into ``out_dir``; any Sphinx warning (a broken link, say) fails the build."""
+    stage_dir = out_dir.parent / f"{out_dir.name}-src"
+    pages = stage(stage_dir, root)
+    status = build_main(["-b", "html", "-E", "-W", "--keep-going", "-q", str(stage_dir), str(out_dir)])
+    if status != 0:
+        raise SystemExit(f"sphinx-build failed (exit {status}); see the warnings above")
+    return pages
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "site"
+    built = build(out.resolve())
+    print(f"{len(built)} notebook pages + index -> {out / 'index.html'}")
