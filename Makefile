@@ -13,7 +13,7 @@ NBVAL := --nbval --nbval-current-env
 # Install options, used when .venv is first built (on a fresh checkout or after `make clean`):
 #   TORCH=cpu       torch's CPU-only build from PyTorch's wheel index first (Linux without an NVIDIA GPU:
 #                   PyPI's Linux torch is the CUDA build, several GB with its nvidia-* wheels)
-#   WHEELHOUSE=DIR  install only from the wheels `make wheelhouse` saved in DIR, without network
+#   WHEELHOUSE=DIR  install only from what `make wheelhouse` saved in DIR, without network
 TORCH_PIN := $(shell grep '^torch==' requirements.txt)
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
@@ -43,11 +43,11 @@ notebooks: $(STAMP)
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
 
-# Download every pinned wheel (and setuptools, which `pip install -e .` builds with) into wheelhouse/,
+# Download every pinned package, and setuptools and wheel (to build the package and the two sdists), into wheelhouse/,
 # for a later `make lab WHEELHOUSE=wheelhouse` on a machine of the same OS, CPU and Python without network.
 wheelhouse:
 	$(if $(filter cpu,$(TORCH)),$(PYTHON) -m pip download --quiet --no-deps --index-url $(TORCH_CPU_INDEX) -d wheelhouse $(TORCH_PIN))
-	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68"
+	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68" wheel
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
