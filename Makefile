@@ -11,7 +11,15 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/s
 NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 NBVAL := --nbval --nbval-current-env
 
-.PHONY: lab test unit notebooks tiny-model docs bench clean
+# Install options, used when .venv is first built (on a fresh checkout or after `make clean`):
+#   TORCH=cpu       torch's CPU-only build from PyTorch's wheel index first (Linux without an NVIDIA GPU:
+#                   PyPI's Linux torch is the CUDA build, several GB with its nvidia-* wheels)
+#   WHEELHOUSE=DIR  install only from what `make wheelhouse` saved in DIR, without network
+TORCH_PIN := $(shell grep '^torch==' requirements.txt)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
+
+.PHONY: lab test unit notebooks tiny-model docs bench wheelhouse clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so.
 # LAB_ARGS adds options, e.g. the browser test's port and token: make lab LAB_ARGS="--no-browser --port=8899"
@@ -45,10 +53,17 @@ bench: $(DEV_STAMP)
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
 
+# Download every pinned package, and setuptools and wheel (to build the package and the two sdists), into wheelhouse/,
+# for a later `make lab WHEELHOUSE=wheelhouse` on a machine of the same OS, CPU and Python without network.
+wheelhouse:
+	$(if $(filter cpu,$(TORCH)),$(PYTHON) -m pip download --quiet --no-deps --index-url $(TORCH_CPU_INDEX) -d wheelhouse $(TORCH_PIN))
+	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68" wheel
+
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements.txt
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(if $(filter cpu,$(TORCH)),$(BIN)/python -m pip install --quiet --no-deps $(or $(PIP_SOURCE),--index-url $(TORCH_CPU_INDEX)) $(TORCH_PIN))
+	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) -r requirements.txt
+	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) --no-deps -e .
 	touch $@
 
 # Tools for the site, the browser test and the benchmarks; `make lab` does without them.
