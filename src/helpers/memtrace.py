@@ -45,6 +45,15 @@ def bert_base_config(num_hidden_layers: int = 12, **overrides):
     return BertConfig(**(settings | overrides))
 
 
+def bundled_config():
+    """The bundled tiny model's config (4 layers, hidden 128): small enough to trace on real tensors too."""
+    from transformers import BertConfig
+
+    from helpers.models import bundled_model_dir
+
+    return BertConfig.from_pretrained(bundled_model_dir())
+
+
 class CudaLikeKernels(TorchFunctionMode):
     """Make a CPU trace keep what a CUDA step keeps for backward.
 
@@ -125,13 +134,15 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
     # a gradient (not the pooler, which Net does not use).
+    kernels = CudaLikeKernels(cuda_dropout, efficient_attention)
     input_ids, attention_mask, labels = batch(1, 8)
-    nn.functional.cross_entropy(model(input_ids, attention_mask), labels).backward()
+    with kernels:
+        loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
     input_ids, attention_mask, labels = batch(batch_size // accumulation, seq_len)
-    kernels = CudaLikeKernels(cuda_dropout, efficient_attention)
 
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
@@ -154,9 +165,9 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     return StepMemory(after_forward, backward_peak, by_category(tracker.get_tracker_snapshot("peak")))
 
 
-def build_model(config, attention: str = "eager", checkpointing: bool = False,
-                cuda_dropout: bool = True) -> NetFromConfig:
-    """``NetFromConfig`` on the ``meta`` device (shapes only), with the attention code path and checkpointing set.
+def build_model(config, attention: str = "eager", checkpointing: bool = False, cuda_dropout: bool = True,
+                device: str = "meta") -> NetFromConfig:
+    """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
 
     ``attention="eager"`` computes softmax(QK^T) in Python and keeps the probabilities for backward;
     ``"efficient"`` calls ``scaled_dot_product_attention`` (traced as CUDA's memory-efficient kernel).
@@ -166,7 +177,7 @@ def build_model(config, attention: str = "eager", checkpointing: bool = False,
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
     config = config.__class__(**(config.to_dict() | {"attn_implementation": "eager" if attention == "eager" else "sdpa"}))
-    with torch.device("meta"):
+    with torch.device(device):
         model = NetFromConfig(config)
     if checkpointing:
         def contexts():
