@@ -10,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/s
 NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 NBVAL := --nbval --nbval-current-env
 
-.PHONY: lab test unit notebooks tiny-model clean
+.PHONY: lab test unit notebooks tiny-model gpu-check memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so.
 lab: $(STAMP)
@@ -34,6 +34,16 @@ notebooks: $(STAMP)
 # Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
+
+# On a CUDA machine: execute every notebook (GPU cells active) into a scratch folder and check the memory
+# predictions against torch.cuda.max_memory_allocated. Without CUDA it prints one line and exits 0.
+gpu-check: $(STAMP)
+	$(NB_ENV) $(BIN)/python -m helpers.gpu_check
+
+# Regenerate the README's per-GPU memory chart from the memory model.
+memory-chart: $(STAMP)
+	mkdir -p docs/img
+	$(BIN)/python -m helpers.memory docs/img/per_device_memory.png
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

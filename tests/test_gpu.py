@@ -150,3 +150,13 @@ def test_peak_sampler_keeps_the_highest_reading_and_stops_its_thread():
         assert seen_twice.wait(10)
     assert not sampler._thread.is_alive()
     assert sampler.peaks == {0: 9, 1: 3} and sampler.samples >= 3
+
+
+def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_0():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; make gpu-check runs the real check")
+    result = subprocess.run([sys.executable, "-m", "helpers.gpu_check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout == "gpu-check: skipped, no CUDA device on this machine (nothing to check here)\n"

@@ -117,3 +117,60 @@ def _sum(snapshot: dict[str, int]) -> int:
 def _total(snapshot: dict[str, int]) -> dict[str, int]:
     result = {key: value for key, value in snapshot.items() if key != "total"}
     return result | {"total": sum(result.values())}
+
+
+COLORS = {"weights": "tab:blue", "gradients": "tab:orange", "optimizer": "tab:green", "activations": "tab:red",
+          "temporaries": "tab:purple", "buckets": "tab:brown"}
+
+
+def plot_per_device(panels: dict[str, dict[str, list[dict[str, int]]]], limit_gib: float | None = None):
+    """Stacked bars of GiB by category: one panel per key of ``panels``, one bar per (setting, GPU).
+
+    ``panels`` maps a panel title to {setting label: per_device(...) result}. ``limit_gib`` draws a
+    dashed line, e.g. a GPU's capacity.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    for ax, (title, settings) in zip(axes[0], panels.items()):
+        labels, bars = [], []
+        for setting, devices in settings.items():
+            for gpu, device in enumerate(devices):
+                labels.append(f"{setting}\nGPU{gpu}" if len(devices) > 1 else setting)
+                bars.append(device)
+        bottom = [0.0] * len(bars)
+        for category, color in COLORS.items():
+            heights = [bar.get(category, 0) / 2**30 for bar in bars]
+            if any(heights):
+                ax.bar(labels, heights, bottom=bottom, color=color, label=category)
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        if limit_gib:
+            ax.axhline(limit_gib, color="black", linestyle="--", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][0].set_ylabel("GiB")
+    handles, names = {}, {}
+    for ax in axes[0]:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return fig
+
+
+def memo_chart(path: str) -> None:
+    """Write the README's chart: the memo's setting (BERT-base v1, DataParallel on 2 GPUs) per GPU."""
+    from helpers.memtrace import bert_base_config
+
+    config = bert_base_config()
+    panels = {f"DataParallel, 2 GPUs, L={seq_len}": {f"B={batch}": per_device(config, batch, seq_len,
+                                                                            strategy="dataparallel", gpus=2)
+                                                     for batch in (16, 32, 64)}
+              for seq_len in (128, 512)}
+    plot_per_device(panels).savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    import sys
+
+    memo_chart(sys.argv[1] if len(sys.argv) > 1 else "docs/img/per_device_memory.png")
