@@ -9,6 +9,7 @@ no data, so a BERT-base step is traced on a laptop in seconds without allocating
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -125,7 +126,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     if batch_size % accumulation:
         raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
     generator = torch.Generator().manual_seed(seed)
 
     def batch(size, length):
@@ -146,15 +147,20 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
-    with tracker:
-        for step in range(accumulation):
-            with kernels:
-                loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels) / accumulation
-            if step == 0:
-                after_forward = by_category(tracker.get_tracker_snapshot("current"))
-            loss.backward()
-            del loss
-            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the same modules otherwise
+    gc.collect()
+    gc.disable()  # a garbage collection in mid-step would free cyclic garbage at an arbitrary point
+    try:
+        with tracker:
+            for step in range(accumulation):
+                with kernels:
+                    loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels) / accumulation
+                if step == 0:
+                    after_forward = by_category(tracker.get_tracker_snapshot("current"))
+                loss.backward()
+                del loss
+                tracker.reset_mod_stats()  # MemTracker refuses a second forward of the same modules otherwise
+    finally:
+        gc.enable()
     backward_peak = by_category(tracker.get_tracker_snapshot("peak"))
 
     tracker = MemTracker()  # a fresh tracker, so its peak is the optimizer step's own
