@@ -67,13 +67,18 @@ def compare(label: str, predicted: int, measured: int) -> tuple[bool, str]:
 def check_memory(batch_sizes=(8, 16, 32), seq_len: int = 512) -> list[tuple[bool, str]]:
     """Predicted vs measured peaks: one GPU at several batch sizes, and DataParallel where 2+ GPUs exist."""
     config = bert_base_config()
+    capacity = 0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     results = []
     for batch_size in batch_sizes:
         (predicted,) = per_device(config, batch_size, seq_len)
+        if predicted["total"] > capacity:
+            results.append((True, f"skip 1 GPU, B={batch_size}: predicted {predicted['total'] / GIB:.1f} GiB does "
+                                  f"not fit 90% of this GPU"))
+            continue
         (measured,) = measure_cuda_step(config, batch_size, seq_len, [0])
         results.append(compare(f"1 GPU, B={batch_size}, L={seq_len}", predicted["total"], measured))
     if torch.cuda.device_count() >= 2:
-        batch_size = 2 * batch_sizes[-1]
+        batch_size = 2 * batch_sizes[0]
         predicted = per_device(config, batch_size, seq_len, strategy="dataparallel", gpus=2)
         measured = measure_cuda_step(config, batch_size, seq_len, [0, 1])
         for gpu in (0, 1):
