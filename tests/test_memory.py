@@ -43,10 +43,7 @@ def test_parameter_bytes_count_the_model():
 def test_layer_extrapolation_matches_a_full_trace(batch_size, seq_len):
     config = bert_base_config(num_hidden_layers=5)
     full, extrapolated = trace_fake(config, batch_size, seq_len), trace_by_layers(config, batch_size, seq_len)
-    assert extrapolated.after_forward == full.after_forward
-    assert extrapolated.optimizer_peak == full.optimizer_peak
-    # the highest point of backward may fall on a neighbouring operation: within one hidden-state tensor
-    assert agreement(extrapolated.backward_peak["total"], full.backward_peak["total"]) < 0.01
+    assert extrapolated == full
 
 
 def test_tracker_on_fake_tensors_equals_real_tensors():

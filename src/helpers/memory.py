@@ -46,10 +46,10 @@ def _scale(two: dict[str, int], three: dict[str, int], layers: int) -> dict[str,
 def trace_by_layers(config, batch_size: int, seq_len: int, **options) -> StepMemory:
     """``trace_fake`` of the full model, computed from traces of the model cut to two and three layers.
 
-    Every encoder layer is the same, so each figure grows by the same bytes per layer: the moment after
-    forward and the optimizer step extrapolate exactly; the backward peak to within about one hidden-state
-    tensor, since its highest point can fall on a neighbouring operation. (With one layer the first layer
-    is also the last, so two and three it is.) Results are kept, so repeated questions cost nothing.
+    Every encoder layer is the same, so each figure grows by the same bytes per layer, and extrapolating
+    gives the full model's trace (tests check it byte for byte) in a fraction of the time. Two and three,
+    not one and two: with one layer the first layer is also the last, and the backward peak differs.
+    Results are kept, so repeated questions cost nothing.
     """
     key = (config.to_json_string(), batch_size, seq_len, tuple(sorted(options.items())))
     if key not in _traces and config.num_hidden_layers <= 3:
@@ -134,7 +134,9 @@ def plot_per_device(panels: dict[str, dict[str, list[dict[str, int]]]], limit_gi
     """
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    widths = [max(4.2, 0.8 * sum(len(devices) for devices in settings.values())) for settings in panels.values()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths), 3.8), sharey=True, squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     for ax, (title, settings) in zip(axes[0], panels.items()):
         labels, bars = [], []
         for setting, devices in settings.items():
@@ -150,7 +152,7 @@ def plot_per_device(panels: dict[str, dict[str, list[dict[str, int]]]], limit_gi
         if limit_gib:
             ax.axhline(limit_gib, color="black", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, rotation=30 if max(map(len, settings)) > 6 else 0)
     axes[0][0].set_ylabel("GiB")
     handles, names = {}, {}
     for ax in axes[0]:
