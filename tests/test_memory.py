@@ -80,8 +80,8 @@ def test_tracker_peak_matches_the_profiler_memory_timeline():
 def test_ddp_buckets_in_a_real_two_process_run_match_the_prediction():
     with tempfile.TemporaryDirectory() as tmpdir, mp.Manager() as manager:
         results = manager.dict()
-        # fork: the workers start with torch already imported (spawn would import it again, twice)
-        mp.start_processes(measure_ddp, args=(2, f"{tmpdir}/rendezvous", results), nprocs=2, start_method="fork")
+        # spawn, not fork: forking a process whose OpenMP threads already ran can deadlock the children
+        mp.spawn(measure_ddp, args=(2, f"{tmpdir}/rendezvous", results), nprocs=2)
         results = dict(results)
     for rank in (0, 1):
         buckets, gradients, params = results[(rank, False)]

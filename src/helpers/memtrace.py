@@ -23,7 +23,6 @@ CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Gradient": "gradient
               "Activation": "activations", "Temp": "temporaries", "Other": "temporaries"}
 ORDER = ("weights", "gradients", "optimizer", "activations", "temporaries")
 ATTENTION_KERNELS = ("eager", "efficient")
-DROPOUT_MASKS = ("cuda", "cpu")
 
 
 class NetFromConfig(Net):
