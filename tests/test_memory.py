@@ -60,7 +60,7 @@ def test_tracker_peak_matches_the_profiler_memory_timeline():
 
     torch.manual_seed(0)
     model = build_model(config, device="cpu").train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # as trace_step
     generator = torch.Generator().manual_seed(0)  # the same batches as trace_step draws
 
     def step(size, length):
