@@ -19,7 +19,7 @@ TORCH_PIN := $(shell grep '^torch==' requirements.txt)
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab test unit notebooks tiny-model docs bench wheelhouse clean
+.PHONY: lab test unit notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so.
 # LAB_ARGS adds options, e.g. the browser test's port and token: make lab LAB_ARGS="--no-browser --port=8899"
@@ -58,6 +58,15 @@ tiny-model: $(STAMP)
 wheelhouse:
 	$(if $(filter cpu,$(TORCH)),$(PYTHON) -m pip download --quiet --no-deps --index-url $(TORCH_CPU_INDEX) -d wheelhouse $(TORCH_PIN))
 	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68" wheel
+# On a CUDA machine: execute every notebook (GPU cells active) into a scratch folder and check the memory
+# predictions against torch.cuda.max_memory_allocated. Without CUDA it prints one line and exits 0.
+gpu-check: $(STAMP)
+	$(NB_ENV) $(BIN)/python -m helpers.gpu_check
+
+# Regenerate the README's per-GPU memory chart from the memory model.
+memory-chart: $(STAMP)
+	mkdir -p docs/img
+	$(BIN)/python -m helpers.memory docs/img/per_device_memory.png
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

@@ -1,0 +1,205 @@
+"""Measure the memory of one fine-tuning step with PyTorch's own tracker, on fake tensors or real ones.
+
+``torch.distributed._tools.mem_tracker.MemTracker`` is a private PyTorch module (this is why torch is pinned):
+it watches every tensor created during a step and files its bytes under parameters, gradients, optimizer
+state, activations (saved for backward) or temporaries. Under ``FakeTensorMode`` the tensors have shapes but
+no data, so a BERT-base step is traced on a laptop in seconds without allocating its gigabytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from helpers.net import Net
+
+# MemTracker's categories, in the words the notebook uses.
+CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Gradient": "gradients", "Optstate": "optimizer",
+              "Activation": "activations", "Temp": "temporaries", "Other": "temporaries"}
+ORDER = ("weights", "gradients", "optimizer", "activations", "temporaries")
+ATTENTION_KERNELS = ("eager", "efficient")
+
+
+class NetFromConfig(Net):
+    """The memo's ``Net`` with a randomly initialised body built from a config: same modules, no download."""
+
+    def __init__(self, config, num_labels: int = 2):
+        nn.Module.__init__(self)  # Net.__init__ would load pretrained weights; the memory is the same
+        from transformers import BertModel
+
+        self.bert = BertModel(config)
+        self.linear = nn.Linear(config.hidden_size, num_labels)
+
+
+def bert_base_config(num_hidden_layers: int = 12, **overrides):
+    """The memo's model, ``bert-base-japanese-whole-word-masking`` (v1): hidden 768, 12 layers, vocab 32000."""
+    from transformers import BertConfig
+
+    settings = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=num_hidden_layers, num_attention_heads=12,
+                    intermediate_size=3072, max_position_embeddings=512, use_cache=False)
+    return BertConfig(**(settings | overrides))
+
+
+def bundled_config():
+    """The bundled tiny model's config (4 layers, hidden 128): small enough to trace on real tensors too."""
+    from transformers import BertConfig
+
+    from helpers.models import bundled_model_dir
+
+    return BertConfig.from_pretrained(bundled_model_dir())
+
+
+class CudaLikeKernels(TorchFunctionMode):
+    """Make a CPU trace keep what a CUDA step keeps for backward.
+
+    Dropout: CPU dropout saves a float mask (4 bytes per element), CUDA's fused kernel a 1-byte mask;
+    ``torch.native_dropout`` is that fused form. Attention (``efficient=True``): route
+    ``scaled_dot_product_attention`` to the memory-efficient kernel CUDA picks for fp32 training, which keeps
+    a log-sum-exp per query instead of the L x L probabilities.
+    """
+
+    def __init__(self, byte_masks: bool = True, efficient_attention: bool = False):
+        super().__init__()
+        self.byte_masks = byte_masks
+        self.efficient_attention = efficient_attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.dropout and self.byte_masks:
+            return self.dropout(*args, **kwargs)
+        if func is nn.functional.scaled_dot_product_attention and self.efficient_attention:
+            return self.efficient(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def dropout(input, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(input, p, True)[0] if training and p > 0 else input
+
+    @staticmethod
+    def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+            attn_mask = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes of one training step by category, at three moments, on one device."""
+
+    after_forward: dict[str, int]   # what is held when backward starts: the activations saved for it
+    backward_peak: dict[str, int]   # the highest point of forward + backward
+    optimizer_peak: dict[str, int]  # the highest point of optimizer.step()
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return max(self.backward_peak, self.optimizer_peak, key=lambda snap: snap["total"])
+
+
+def by_category(snapshot: dict) -> dict[str, int]:
+    """One device's MemTracker snapshot as {category: bytes} in ORDER, plus 'total'."""
+    (per_device,) = snapshot.values() if snapshot else ({},)
+    result = dict.fromkeys(ORDER, 0)
+    for kind, nbytes in per_device.items():
+        if kind != "Total":
+            result[CATEGORIES[getattr(kind, "value", kind)]] += nbytes
+    result["total"] = sum(result[name] for name in ORDER)
+    return result
+
+
+def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
+               cuda_dropout: bool = True, efficient_attention: bool = False, seed: int = 0) -> StepMemory:
+    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
+
+    Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
+    ``batch_size // accumulation`` examples each add their gradients before the single optimizer step.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if batch_size % accumulation:
+        raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
+    generator = torch.Generator().manual_seed(seed)
+
+    def batch(size, length):
+        return (torch.randint(0, vocab_size, (size, length), generator=generator),
+                torch.ones(size, length, dtype=torch.long), torch.randint(0, 2, (size,), generator=generator))
+
+    # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
+    # a gradient (not the pooler, which Net does not use).
+    kernels = CudaLikeKernels(cuda_dropout, efficient_attention)
+    input_ids, attention_mask, labels = batch(1, 8)
+    with kernels:
+        loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    input_ids, attention_mask, labels = batch(batch_size // accumulation, seq_len)
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    gc.collect()
+    gc.disable()  # a garbage collection in mid-step would free cyclic garbage at an arbitrary point
+    try:
+        with tracker:
+            for step in range(accumulation):
+                with kernels:
+                    loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels) / accumulation
+                if step == 0:
+                    after_forward = by_category(tracker.get_tracker_snapshot("current"))
+                loss.backward()
+                del loss
+                tracker.reset_mod_stats()  # MemTracker refuses a second forward of the same modules otherwise
+    finally:
+        gc.enable()
+    backward_peak = by_category(tracker.get_tracker_snapshot("peak"))
+
+    tracker = MemTracker()  # a fresh tracker, so its peak is the optimizer step's own
+    tracker.track_external(model, optimizer)
+    with tracker:
+        optimizer.step()
+        optimizer.zero_grad()
+    return StepMemory(after_forward, backward_peak, by_category(tracker.get_tracker_snapshot("peak")))
+
+
+def build_model(config, attention: str = "eager", checkpointing: bool = False, cuda_dropout: bool = True,
+                device: str = "meta") -> NetFromConfig:
+    """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
+
+    ``attention="eager"`` computes softmax(QK^T) in Python and keeps the probabilities for backward;
+    ``"efficient"`` calls ``scaled_dot_product_attention`` (traced as CUDA's memory-efficient kernel).
+    ``checkpointing`` recomputes each encoder layer's forward during backward instead of keeping it; the
+    recomputation runs with the same ``CudaLikeKernels`` as the forward, so both keep the same tensors.
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
+    config = config.__class__(**(config.to_dict() | {"attn_implementation": "eager" if attention == "eager" else "sdpa"}))
+    with torch.device(device):
+        model = NetFromConfig(config)
+    if checkpointing:
+        def contexts():
+            return contextlib.nullcontext(), CudaLikeKernels(cuda_dropout, attention == "efficient")
+
+        model.bert.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
+    return model
+
+
+def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "eager", checkpointing: bool = False,
+               cuda_dropout: bool = True, **options) -> StepMemory:
+    """``trace_step`` on fake tensors: the model is built on ``meta`` (no memory) and given fake storage
+    with ``to_empty`` inside ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = build_model(config, attention, checkpointing, cuda_dropout)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size,
+                          cuda_dropout=cuda_dropout, efficient_attention=attention == "efficient", **options)
