@@ -13,11 +13,17 @@ class Net(nn.Module):
     Differences from the memo (notebook 01 shows each trap): the hidden size comes from the config
     instead of a hard-coded 768, the attention mask is passed so padding does not change the [CLS]
     vector, and no softmax is applied: ``CrossEntropyLoss`` applies log-softmax itself.
+
+    ``forward`` never uses BERT's pooler, so under DistributedDataParallel it gets no gradient and DDP
+    stops on the second step (notebook 06); ``pooler=False`` drops it, leaving what
+    ``BertModel.from_pretrained(..., add_pooling_layer=False)`` builds, without its warning about unused weights.
     """
 
-    def __init__(self, model: str | ModelChoice | None = None, num_labels: int = 2):
+    def __init__(self, model: str | ModelChoice | None = None, num_labels: int = 2, pooler: bool = True):
         super().__init__()
         self.bert = load_bert(model)
+        if not pooler:
+            self.bert.pooler = None
         self.linear = nn.Linear(self.bert.config.hidden_size, num_labels)
 
     def forward(self, input_ids, attention_mask=None):

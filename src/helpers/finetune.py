@@ -1,0 +1,167 @@
+"""Fine-tune Net with DistributedDataParallel: notebook 02's training, one process per device.
+
+    torchrun --nproc_per_node=2 -m helpers.finetune            # 2 processes on this machine
+    python -m helpers.finetune                                 # one plain process
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 -m helpers.finetune
+
+Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
+helpers.train.train_epoch. Rank 0 logs, evaluates and writes files; the last line it prints is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import get_linear_schedule_with_warmup, set_seed
+
+from helpers import distributed
+from helpers.data import PadToLongest, load_split
+from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
+from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
+from helpers.net import Net
+from helpers.optim import two_lr_adam
+from helpers.train import evaluate, train_epoch
+from helpers.wrapping import unwrap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model name or directory (default: $BERT_MODEL, else the bundled tiny BERT)")
+    parser.add_argument("--global-batch-size", type=int, default=32,
+                        help="examples per optimizer step over all processes (default 32, as notebook 02); each "
+                             "process takes global-batch-size / number-of-processes of them (the per-rank batch)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--body-lr", type=float, default=5e-4, help="peak learning rate of BERT (default: 02's)")
+    parser.add_argument("--head-lr", type=float, default=1e-3, help="peak learning rate of the head (default: 02's)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="model initialization and shuffling; dropout uses seed + rank on each process")
+    parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
+    parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and net.pt here")
+    parser.add_argument("--check-equivalence", action="store_true",
+                        help="first compare one DDP step with one process on the first global-batch-size training "
+                             "examples (dropout off): gradients and weights")
+    parser.add_argument("--keep-pooler", action="store_true",
+                        help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
+    return parser.parse_args(argv)
+
+
+def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_examples: int) -> str | None:
+    """The first reason this process cannot train, or None; checked before any model is loaded."""
+    if args.global_batch_size < world_size:
+        return (f"--global-batch-size {args.global_batch_size} over {world_size} processes leaves a per-rank batch "
+                f"of {args.global_batch_size // world_size}; it must be at least 1")
+    if args.global_batch_size % world_size:
+        return (f"--global-batch-size {args.global_batch_size} does not split evenly over {world_size} processes; "
+                f"use a multiple of {world_size}")
+    if args.train_examples is not None and args.train_examples < 1:
+        return f"--train-examples {args.train_examples}: must be at least 1"
+    if train_examples < world_size:
+        return (f"{world_size} processes but only {train_examples} training example(s): every process needs at "
+                f"least one (start fewer processes or raise --train-examples)")
+    if args.epochs < 1:
+        return f"--epochs {args.epochs}: must be at least 1"
+    try:
+        resolve_model(args.model)
+    except ModelNotAvailableError as error:
+        return str(error)
+    if rank == 0 and args.output_dir is not None:
+        return output_dir_problem(args.output_dir)
+    return None
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why rank 0 cannot write into ``path`` (created if missing), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"--output-dir {path}: cannot write there ({error.strerror or error})"
+    return None
+
+
+def log(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    world_size, rank = distributed.world_size(), distributed.rank()
+    train_examples = load_split("train")[:args.train_examples]
+    problem = find_problem(args, world_size, rank, len(train_examples))
+
+    device = distributed.device_for_this_process()
+    distributed.init_process_group(device)
+    problem = distributed.agree_on_problem(problem)
+    if problem:
+        distributed.stop_everywhere(problem)
+
+    per_rank_batch = args.global_batch_size // world_size
+    log(f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; batch {per_rank_batch} "
+        f"per rank x {world_size} = global batch {args.global_batch_size}")
+
+    tokenizer = load_tokenizer(args.model)
+    sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
+                              collate_fn=PadToLongest(tokenizer))
+    val_loader = DataLoader(load_split("validation"), batch_size=64, collate_fn=PadToLongest(tokenizer))
+    equivalence = None
+    if args.check_equivalence:
+        equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
+                                               PadToLongest(tokenizer), device, args.seed)
+        print_comparison(equivalence)
+
+    set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
+    net = Net(args.model, pooler=args.keep_pooler).to(device)
+    optimizer = two_lr_adam(net, body_lr=args.body_lr, head_lr=args.head_lr)  # built on the plain model
+    total_steps = args.epochs * len(train_loader)
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
+                                                num_training_steps=total_steps)
+    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
+
+    history = []
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        start = time.perf_counter()
+        batch_losses = train_epoch(model, train_loader, optimizer, scheduler)
+        seconds = time.perf_counter() - start
+        train_loss = torch.tensor(sum(batch_losses) / len(batch_losses), device=device)
+        dist.all_reduce(train_loss)
+        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds}
+        if rank == 0:  # the other ranks wait at the barrier; evaluating the plain model needs no collective
+            val = evaluate(unwrap(model), val_loader)
+            row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+            log(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
+                f"val accuracy {val['accuracy']:.2f}  ({seconds:.1f} s)")
+        dist.barrier()
+        history.append(row)
+
+    digests = [None] * world_size
+    dist.all_gather_object(digests, weights_digest(unwrap(model)))
+    result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
+              "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
+              "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
+    if rank == 0:
+        if args.output_dir is not None:
+            (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+            torch.save(unwrap(model).state_dict(), args.output_dir / "net.pt")
+        print(json.dumps(result), flush=True)
+    dist.barrier()  # no rank leaves before rank 0 has written its files
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
