@@ -116,11 +116,11 @@ def test_round_trip_between_wrappings(saved_from, loaded_into, process_group, tm
 
 def test_optimizer_scheduler_and_progress_round_trip(tmp_path):
     model, optimizer, scheduler = trained(seed=0)
-    progress = Progress(step=7, epoch=1, batch=3, history=[{"epoch": 1, "val_loss": 0.5}], batch_losses=[0.7, 0.6])
+    progress = Progress(step=7, epoch=1, batch=3, history=[{"epoch": 1, "val_loss": 0.5}])
     save_checkpoint(tmp_path / "checkpoint", model, optimizer, scheduler, progress=progress)
     model2, optimizer2, scheduler2 = trained(seed=1)
     state = load_checkpoint(tmp_path / "checkpoint", model2, optimizer2, scheduler2)
-    assert state["progress"] == progress.shared()
+    assert state["progress"] == {"step": 7, "epoch": 1, "batch": 3, "history": [{"epoch": 1, "val_loss": 0.5}]}
     assert state_dicts_equal(model2.state_dict(), model.state_dict())
     for mine, theirs in zip(optimizer2.state.values(), optimizer.state.values()):
         assert state_dicts_equal(mine, theirs)
@@ -197,7 +197,8 @@ def test_a_pickle_with_code_is_refused_without_running_it(saved, tmp_path):
     file = saved / STATE_FILE
     torch.save({"optimizer": Payload(marker)}, file)
     assert_refused(saved, f"^{file}: refused to load: it holds more than tensors and plain data, which could run "
-                          f"code when unpickled \\(Unsupported global: GLOBAL exec was not an allowed global by default.\\)$")
+                          r"code when unpickled \(Unsupported global: GLOBAL exec was not an allowed global by "
+                          r"default.\)$")
     assert not marker.exists()
     pickle.loads(pickle.dumps(Payload(marker)))  # the payload is live: plain unpickling runs it
     assert marker.exists()

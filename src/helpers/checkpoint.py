@@ -61,14 +61,16 @@ class Progress:
     epoch: int = 0  # epochs finished
     batch: int = 0  # batches of the current epoch already trained
     history: list[dict] = field(default_factory=list)  # fit()'s row for each finished epoch
-    batch_losses: list[float] = field(default_factory=list)  # losses of the current epoch so far
-    # This process's random state at the start of the current epoch (epoch_start_state): the data order is
-    # drawn from it. The only field that differs between processes, so it is saved per process.
-    epoch_start: dict | None = None
+    # The fields below differ between processes (each has its own batches), so each process's are saved.
+    batch_losses: list[float] = field(default_factory=list)  # this process's losses of the current epoch so far
+    epoch_start: dict | None = None  # the random state this epoch's data order was drawn from (epoch_start_state)
 
     def shared(self) -> dict:
-        """Everything but the per-process field, as plain data."""
-        return {key: value for key, value in asdict(self).items() if key != "epoch_start"}
+        """The fields that are the same on every process, as plain data."""
+        return {key: value for key, value in asdict(self).items() if key not in PER_PROCESS}
+
+
+PER_PROCESS = ("batch_losses", "epoch_start")
 
 
 def rng_state() -> dict:
@@ -190,7 +192,8 @@ def read_weights(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{file}: not a readable safetensors file, it may be truncated or damaged ({error})") from None
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file, it may be truncated or damaged ({error})") from None
 
 
 def read_state(file: Path) -> dict:
@@ -204,7 +207,8 @@ def read_state(file: Path) -> dict:
         raise CheckpointError(f"{file}: refused to load: it holds more than tensors and plain data, which could run "
                               f"code when unpickled ({cause})") from None
     except (EOFError, RuntimeError, OSError) as error:
-        raise CheckpointError(f"{file}: not a readable torch.save file, it may be truncated or damaged ({error})") from None
+        raise CheckpointError(
+            f"{file}: not a readable torch.save file, it may be truncated or damaged ({error})") from None
 
 
 def check_weights(file: Path, weights: dict, model: nn.Module) -> None:
@@ -296,14 +300,15 @@ class Checkpoints:
             return None
         target = file.read_text(encoding="utf-8").strip()
         if not NAME.fullmatch(target):
-            raise CheckpointError(f"{file}: expected the name of a checkpoint folder like 'step-000012', got {target!r}")
+            raise CheckpointError(
+                f"{file}: expected the name of a checkpoint folder like 'step-000012', got {target!r}")
         if not (self.directory / target).is_dir():
             raise CheckpointError(f"{file}: names {target!r}, which is not in {self.directory}")
         return self.directory / target
 
     def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False) -> None:
         """Save where the run stands; call it on every process. ``best`` points ``best`` at it too."""
-        per_process = gather({"rng": rng_state(), "epoch_start": progress.epoch_start})
+        per_process = gather({"rng": rng_state()} | {key: getattr(progress, key) for key in PER_PROCESS})
         if process_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
@@ -341,7 +346,7 @@ class Checkpoints:
             raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
                                   f"with {process_count()}; resume with the same number to continue exactly")
         mine = state["per_process"][process_rank()]
-        progress = Progress(**state["progress"], epoch_start=mine["epoch_start"])
+        progress = Progress(**state["progress"], **{key: mine[key] for key in PER_PROCESS})
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None
 

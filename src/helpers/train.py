@@ -96,30 +96,49 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
         progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
         if progress.step:
             print(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
-    for epoch in range(progress.epoch, epochs):
+    for epoch in range(progress.epoch + 1, epochs + 1):
         set_sampler_epoch(train_loader, epoch)
-        progress.epoch_start = epoch_start_state(train_loader)
-
-        def after_step(loss):
-            progress.step, progress.batch = progress.step + 1, progress.batch + 1
-            progress.batch_losses.append(loss)
-            # the epoch's last step is saved below, together with its evaluation
-            if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 \
-                    and progress.batch < len(train_loader):
-                checkpoints.save(model, optimizer, scheduler, progress)
-
-        train_epoch(model, train_loader, optimizer, scheduler, after_step=after_step, skip=progress.batch,
-                    resume_rng=resume_rng)
-        batch_losses = progress.batch_losses
+        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
         train_loss = sum(batch_losses) / len(batch_losses)
         val = evaluate(model, val_loader)
-        progress.history.append({"epoch": epoch + 1, "train_loss": train_loss, "batch_losses": batch_losses,
-                                 "val_loss": val["loss"], "val_accuracy": val["accuracy"]})
-        print(f"epoch {epoch + 1}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
+        print(f"epoch {epoch}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
               f"val accuracy {val['accuracy']:.2f}")
-        progress.epoch, progress.batch, progress.batch_losses, resume_rng = epoch + 1, 0, [], None
-        if checkpoints is not None:
-            progress.epoch_start = epoch_start_state(train_loader)  # where the next epoch starts
-            best = val["loss"] <= min(row["val_loss"] for row in progress.history)
-            checkpoints.save(model, optimizer, scheduler, progress, best=best)
+        end_epoch(progress, {"epoch": epoch, "train_loss": train_loss, "batch_losses": batch_losses,
+                             "val_loss": val["loss"], "val_accuracy": val["accuracy"]},
+                  model, optimizer, scheduler, train_loader, checkpoints)
+        resume_rng = None
     return progress.history
+
+
+def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, scheduler=None,
+                     checkpoints: Checkpoints | None = None, resume_rng: dict | None = None) -> list[float]:
+    """``train_epoch`` for the epoch ``progress`` stands in: skip the batches it already trained, keep
+    ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's batch losses.
+
+    Call it on every process; ``resume_rng`` comes from ``Checkpoints.resume``.
+    """
+    progress.epoch_start = epoch_start_state(loader)
+
+    def after_step(loss):
+        progress.step, progress.batch = progress.step + 1, progress.batch + 1
+        progress.batch_losses.append(loss)
+        # the epoch's last step is saved by end_epoch, together with the epoch's evaluation
+        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 \
+                and progress.batch < len(loader):
+            checkpoints.save(model, optimizer, scheduler, progress)
+
+    train_epoch(model, loader, optimizer, scheduler, after_step=after_step, skip=progress.batch,
+                resume_rng=resume_rng)
+    return progress.batch_losses
+
+
+def end_epoch(progress: Progress, row: dict, model: nn.Module, optimizer, scheduler, loader,
+              checkpoints: Checkpoints | None = None) -> None:
+    """Record the finished epoch's ``row`` in ``progress`` and save a checkpoint, marked best if its
+    ``val_loss`` is the lowest so far (rows without one, as on processes that do not evaluate, never are)."""
+    progress.history.append(row)
+    progress.epoch, progress.batch, progress.batch_losses = progress.epoch + 1, 0, []
+    if checkpoints is not None:
+        progress.epoch_start = epoch_start_state(loader)  # where the next epoch starts
+        best = "val_loss" in row and row["val_loss"] <= min(r["val_loss"] for r in progress.history if "val_loss" in r)
+        checkpoints.save(model, optimizer, scheduler, progress, best=best)
