@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers import distributed
-from helpers.checkpoint import Checkpoints, Progress
+from helpers.checkpoint import CheckpointError, Checkpoints, Progress
 from helpers.data import PadToLongest, load_split
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
@@ -105,6 +105,19 @@ def output_dir_problem(path: Path, option: str = "--output-dir") -> str | None:
     return None
 
 
+def resume_or_stop(checkpoints: Checkpoints, model, optimizer, scheduler, train_loader):
+    """``checkpoints.resume(...)``; a checkpoint that cannot be loaded stops every rank with its message."""
+    problem, resumed = None, None
+    try:
+        resumed = checkpoints.resume(model, optimizer, scheduler, train_loader)
+    except CheckpointError as error:
+        problem = str(error)
+    problem = distributed.agree_on_problem(problem)
+    if problem:
+        distributed.stop_everywhere(problem)
+    return resumed
+
+
 def log(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
@@ -149,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoints = Checkpoints(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir else None
     progress, resume_rng = Progress(), None
     if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
-        progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
+        progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
         if progress.step:
             log(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
     for epoch in range(progress.epoch + 1, args.epochs + 1):
