@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = time.perf_counter() - start
         train_loss = torch.tensor(sum(batch_losses) / len(batch_losses), device=device)
         dist.all_reduce(train_loss)
-        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds}
+        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds,
+               "batch_losses": batch_losses}  # this process's, for plots
         if rank == 0:  # the other ranks wait at the barrier; evaluating the plain model needs no collective
             val = evaluate(unwrap(model), val_loader)
             row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
