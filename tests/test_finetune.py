@@ -141,8 +141,11 @@ def test_a_model_missing_on_one_machine_only_stops_all_ranks():
 @pytest.mark.parametrize(("args", "message"), [
     (["--resume"], "--resume needs --checkpoint-dir: where the checkpoints are"),
     (["--save-every", "5"], "--save-every needs --checkpoint-dir: where the checkpoints are"),
-    (["--checkpoint-dir", "{tmp}/ckpt", "--save-every", "-1"], "--save-every -1: must be at least 0 (0: save only after each epoch)"),
-    (["--checkpoint-dir", "{tmp}/file/ckpt"], "--checkpoint-dir {tmp}/file/ckpt: cannot write there (Not a directory)"),
+    (["--val-examples", "0"], "--val-examples 0: must be at least 1"),
+    (["--checkpoint-dir", "{tmp}/ckpt", "--save-every", "-1"],
+     "--save-every -1: must be at least 0 (0: save only after each epoch)"),
+    (["--checkpoint-dir", "{tmp}/file/ckpt"],
+     "--checkpoint-dir {tmp}/file/ckpt: cannot write there (Not a directory)"),
 ])
 def test_bad_checkpoint_options_are_named(tmp_path, args, message):
     (tmp_path / "file").write_text("a file where a folder should be")

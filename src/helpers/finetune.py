@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="model initialization and shuffling; dropout uses seed + rank on each process")
     parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
+    parser.add_argument("--val-examples", type=int, help="evaluate on the first N validation examples only")
     parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and net.pt here")
     parser.add_argument("--check-equivalence", action="store_true",
                         help="first compare one DDP step with one process on the first global-batch-size training "
@@ -74,6 +75,8 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
                 f"use a multiple of {world_size}")
     if args.train_examples is not None and args.train_examples < 1:
         return f"--train-examples {args.train_examples}: must be at least 1"
+    if args.val_examples is not None and args.val_examples < 1:
+        return f"--val-examples {args.val_examples}: must be at least 1"
     if train_examples < world_size:
         return (f"{world_size} processes but only {train_examples} training example(s): every process needs at "
                 f"least one (start fewer processes or raise --train-examples)")
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
                               collate_fn=PadToLongest(tokenizer))
-    val_loader = DataLoader(load_split("validation"), batch_size=64, collate_fn=PadToLongest(tokenizer))
+    val_loader = DataLoader(load_split("validation")[:args.val_examples], batch_size=64,
+                            collate_fn=PadToLongest(tokenizer))
     equivalence = None
     if args.check_equivalence:
         equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
