@@ -1,6 +1,6 @@
 """Helpers for the notebook series: each is taught in a notebook first, then imported from here."""
 
-from helpers.checkpoint import state_dicts_equal
+from helpers.checkpoint import CheckpointError, Checkpoints, load_checkpoint, save_checkpoint, state_dicts_equal
 from helpers.data import (LABELS, DataFileError, Example, PadToLongest, bundled_data_dir, load_examples, load_split,
                           make_loader)
 from helpers.devices import has_gpus
@@ -8,5 +8,6 @@ from helpers.models import (DEFAULT_MODEL, SEED_MODEL, ModelChoice, ModelNotAvai
                             resolve_model)
 from helpers.net import Net
 from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, two_lr_adam
+from helpers.predict import predict
 from helpers.train import evaluate, fit, input_device, to_device, train_epoch
 from helpers.wrapping import unwrap
