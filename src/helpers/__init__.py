@@ -8,6 +8,5 @@ from helpers.models import (DEFAULT_MODEL, SEED_MODEL, ModelChoice, ModelNotAvai
                             resolve_model)
 from helpers.net import Net
 from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, two_lr_adam
-from helpers.predict import predict
 from helpers.train import evaluate, fit, input_device, to_device, train_epoch
 from helpers.wrapping import unwrap
