@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
+from helpers.checkpoint import Checkpoints, Progress
 from helpers.ddp_equivalence import weights_digest
+from helpers.finetune import find_problem, parse_args
 from helpers.net import Net
 
 TIMEOUT = 300
@@ -134,3 +136,27 @@ def test_a_model_missing_on_one_machine_only_stops_all_ranks():
     codes, outputs = launch_ranks(SMALL, [{}, {"BERT_MODEL": "/no/such/model/dir"}])
     assert codes == [2, 2]
     assert "Model '/no/such/model/dir' is not available here" in outputs[0][1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--resume"], "--resume needs --checkpoint-dir: where the checkpoints are"),
+    (["--save-every", "5"], "--save-every needs --checkpoint-dir: where the checkpoints are"),
+    (["--val-examples", "0"], "--val-examples 0: must be at least 1"),
+    (["--checkpoint-dir", "{tmp}/ckpt", "--save-every", "-1"],
+     "--save-every -1: must be at least 0 (0: save only after each epoch)"),
+    (["--checkpoint-dir", "{tmp}/file/ckpt"],
+     "--checkpoint-dir {tmp}/file/ckpt: cannot write there (Not a directory)"),
+])
+def test_bad_checkpoint_options_are_named(tmp_path, args, message):
+    (tmp_path / "file").write_text("a file where a folder should be")
+    args = parse_args([arg.format(tmp=tmp_path) for arg in args])
+    assert find_problem(args, world_size=1, rank=0, train_examples=100) == message.format(tmp=tmp_path)
+
+
+def test_resuming_from_another_models_checkpoint_stops_with_the_file_and_the_cause(tmp_path):
+    Checkpoints(tmp_path).save(torch.nn.Linear(2, 2), None, None, Progress(step=1))
+    command = [sys.executable, "-m", "helpers.finetune", *SMALL, "--checkpoint-dir", str(tmp_path), "--resume"]
+    run = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"error: {tmp_path}/step-000001/model.safetensors: saved from a different model "
+                                 f"than Net; missing: bert.embeddings.word_embeddings.weight")

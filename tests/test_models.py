@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from helpers.models import (DEFAULT_MODEL, SEED_MODEL, ModelNotAvailableError, bundled_model_dir, load_tokenizer,
-                            mecab_dic_from_config, resolve_model)
+from helpers.models import (DEFAULT_MODEL, SEED_MODEL, DictionaryNotInstalledError, ModelNotAvailableError,
+                            bundled_model_dir, load_tokenizer, mecab_dic_from_config, resolve_model)
 
 V1_CONFIG = {"do_lower_case": False, "word_tokenizer_type": "mecab", "subword_tokenizer_type": "wordpiece",
              "tokenizer_class": "BertJapaneseTokenizer"}  # as written before transformers 4.46: no dictionary named
@@ -80,3 +80,11 @@ def test_a_path_that_does_not_exist_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotAvailableError, match=r"Model '\./no/such/model' is not available here"):
         resolve_model("./no/such/model")
+
+
+def test_a_missing_dictionary_names_the_model_and_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "unidic_lite", None)  # makes `import unidic_lite` fail as if not installed
+    with pytest.raises(DictionaryNotInstalledError, match=(
+            r"^Model 'tiny-japanese-bert' splits words with the MeCab dictionary 'unidic_lite', which is not "
+            r"installed: `pip install unidic-lite`")):
+        load_tokenizer()

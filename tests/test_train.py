@@ -1,5 +1,6 @@
 """The training loop really trains, and evaluate() measures what it says."""
 
+import pytest
 import torch
 from transformers import set_seed
 
@@ -61,3 +62,12 @@ def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
         assert len(train_epoch(model, loader, two_lr_adam(net))) == 2
         assert not torch.equal(before, net.linear.weight)
         assert 0.0 <= evaluate(model, loader)["accuracy"] <= 1.0
+
+
+def test_an_empty_loader_is_named_instead_of_dividing_by_zero():
+    net = Net()
+    empty = make_loader([], load_tokenizer(), batch_size=4)
+    with pytest.raises(ValueError, match=r"^train_epoch: the loader yielded no batches; is its data set empty"):
+        train_epoch(net, empty, two_lr_adam(net))
+    with pytest.raises(ValueError, match=r"^evaluate: the loader yielded no examples; is its data set empty\?"):
+        evaluate(net, empty)

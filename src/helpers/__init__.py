@@ -1,6 +1,6 @@
 """Helpers for the notebook series: each is taught in a notebook first, then imported from here."""
 
-from helpers.checkpoint import state_dicts_equal
+from helpers.checkpoint import CheckpointError, Checkpoints, load_checkpoint, save_checkpoint, state_dicts_equal
 from helpers.data import (LABELS, DataFileError, Example, PadToLongest, bundled_data_dir, load_examples, load_split,
                           make_loader)
 from helpers.devices import has_gpus

@@ -4,6 +4,7 @@
     python -m helpers.finetune                                       # one plain process
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 -m helpers.finetune
                                                                      # the same command on each of 2 machines
+    python -m helpers.finetune --checkpoint-dir ckpt --save-every 10 --resume   # continue after a kill
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
 helpers.train.train_epoch. Rank 0 logs, evaluates and writes files; the last line it prints is JSON.
@@ -25,12 +26,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers import distributed
+from helpers.checkpoint import CheckpointError, Checkpoints, Progress
 from helpers.data import PadToLongest, load_split
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
 from helpers.net import Net
 from helpers.optim import two_lr_adam
-from helpers.train import evaluate, train_epoch
+from helpers.train import end_epoch, evaluate, train_epoch_from
 from helpers.wrapping import unwrap
 
 
@@ -47,10 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="model initialization and shuffling; dropout uses seed + rank on each process")
     parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
+    parser.add_argument("--val-examples", type=int, help="evaluate on the first N validation examples only")
     parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and net.pt here")
     parser.add_argument("--check-equivalence", action="store_true",
                         help="first compare one DDP step with one process on the first global-batch-size training "
                              "examples (dropout off): gradients and weights")
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="rank 0 saves a checkpoint here after every epoch (and every --save-every steps)")
+    parser.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                        help="also save every STEPS optimizer steps, mid-epoch (default 0: only after each epoch)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue exactly from the latest checkpoint in --checkpoint-dir, if there is one "
+                             "(same number of processes and options as the interrupted run)")
     parser.add_argument("--keep-pooler", action="store_true",
                         help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
     return parser.parse_args(argv)
@@ -66,6 +76,8 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
                 f"use a multiple of {world_size}")
     if args.train_examples is not None and args.train_examples < 1:
         return f"--train-examples {args.train_examples}: must be at least 1"
+    if args.val_examples is not None and args.val_examples < 1:
+        return f"--val-examples {args.val_examples}: must be at least 1"
     if train_examples < world_size:
         return (f"{world_size} processes but only {train_examples} training example(s): every process needs at "
                 f"least one (start fewer processes or raise --train-examples)")
@@ -75,20 +87,39 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
         resolve_model(args.model)
     except ModelNotAvailableError as error:
         return str(error)
+    if args.save_every < 0:
+        return f"--save-every {args.save_every}: must be at least 0 (0: save only after each epoch)"
+    if (args.save_every or args.resume) and args.checkpoint_dir is None:
+        return f"{'--resume' if args.resume else '--save-every'} needs --checkpoint-dir: where the checkpoints are"
     if rank == 0 and args.output_dir is not None:
         return output_dir_problem(args.output_dir)
+    if rank == 0 and args.checkpoint_dir is not None:
+        return output_dir_problem(args.checkpoint_dir, "--checkpoint-dir")
     return None
 
 
-def output_dir_problem(path: Path) -> str | None:
+def output_dir_problem(path: Path, option: str = "--output-dir") -> str | None:
     """Why rank 0 cannot write into ``path`` (created if missing), or None."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        return f"--output-dir {path}: cannot write there ({error.strerror or error})"
+        return f"{option} {path}: cannot write there ({error.strerror or error})"
     return None
+
+
+def resume_or_stop(checkpoints: Checkpoints, model, optimizer, scheduler, train_loader):
+    """``checkpoints.resume(...)``; a checkpoint that cannot be loaded stops every rank with its message."""
+    problem, resumed = None, None
+    try:
+        resumed = checkpoints.resume(model, optimizer, scheduler, train_loader)
+    except CheckpointError as error:
+        problem = str(error)
+    problem = distributed.agree_on_problem(problem)
+    if problem:
+        distributed.stop_everywhere(problem)
+    return resumed
 
 
 def log(*args) -> None:
@@ -117,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
                               collate_fn=PadToLongest(tokenizer))
-    val_loader = DataLoader(load_split("validation"), batch_size=64, collate_fn=PadToLongest(tokenizer))
+    val_loader = DataLoader(load_split("validation")[:args.val_examples], batch_size=64,
+                            collate_fn=PadToLongest(tokenizer))
     equivalence = None
     if args.check_equivalence:
         equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
@@ -133,22 +165,30 @@ def main(argv: list[str] | None = None) -> dict:
     model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
 
-    history = []
-    for epoch in range(1, args.epochs + 1):
+    checkpoints = Checkpoints(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir else None
+    progress, resume_rng = Progress(), None
+    if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
+        progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
+        if progress.step:
+            log(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
+    for epoch in range(progress.epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         start = time.perf_counter()
-        batch_losses = train_epoch(model, train_loader, optimizer, scheduler)
+        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
+        resume_rng = None
         seconds = time.perf_counter() - start
         train_loss = torch.tensor(sum(batch_losses) / len(batch_losses), device=device)
         dist.all_reduce(train_loss)
-        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds}
+        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds,
+               "batch_losses": batch_losses}  # this process's, for plots
         if rank == 0:  # the other ranks wait at the barrier; evaluating the plain model needs no collective
             val = evaluate(unwrap(model), val_loader)
             row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
             log(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
                 f"val accuracy {val['accuracy']:.2f}  ({seconds:.1f} s)")
         dist.barrier()
-        history.append(row)
+        end_epoch(progress, row, model, optimizer, scheduler, train_loader, checkpoints)
+    history = progress.history
 
     digests = [None] * world_size
     dist.all_gather_object(digests, weights_digest(unwrap(model)))

@@ -6,6 +6,7 @@ else the tiny Japanese BERT bundled with this package (offline, built by ``helpe
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ ENV_VAR = "BERT_MODEL"
 
 class ModelNotAvailableError(OSError):
     """The requested model is neither bundled, a local directory, nor reachable on the hub or in its cache."""
+
+
+class DictionaryNotInstalledError(ModuleNotFoundError):
+    """The MeCab dictionary a model's vocabulary was built with is not installed."""
+
+
+DICTIONARY_PACKAGES = {"ipadic": "ipadic", "unidic_lite": "unidic-lite", "unidic": "unidic"}
+"""MeCab dictionary name (as in tokenizer_config.json) -> the pip package that provides it."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +95,24 @@ def load_tokenizer(model: str | ModelChoice | None = None):
     from transformers import AutoTokenizer
 
     choice = model if isinstance(model, ModelChoice) else resolve_model(model)
+    check_dictionary(choice)
     kwargs = {"mecab_kwargs": {"mecab_dic": choice.mecab_dic}} if choice.mecab_dic else {}
     return AutoTokenizer.from_pretrained(choice.source, **kwargs)
+
+
+def check_dictionary(choice: ModelChoice) -> None:
+    """Raise DictionaryNotInstalledError, naming the model and the pip package, if its dictionary is missing."""
+    if choice.mecab_dic is None:
+        return
+    try:
+        importlib.import_module(choice.mecab_dic)
+    except ModuleNotFoundError:
+        package = DICTIONARY_PACKAGES.get(choice.mecab_dic, choice.mecab_dic)
+        raise DictionaryNotInstalledError(
+            f"Model {choice.name!r} splits words with the MeCab dictionary {choice.mecab_dic!r}, which is not "
+            f"installed: `pip install {package}`. Another dictionary "
+            f"would split sentences into other words than the model was trained on."
+        ) from None
 
 
 def load_bert(model: str | ModelChoice | None = None, **kwargs):

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from helpers.checkpoint import Checkpoints, Progress, epoch_start_state, set_rng_state, set_sampler_epoch
+
 
 def input_device(model: nn.Module) -> torch.device:
     """The device a batch must be on before ``model(...)``: where its output and the labels meet.
@@ -26,14 +28,25 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None) -> list[float]:
-    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every batch."""
+def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None, *, after_step=None, skip: int = 0,
+                resume_rng: dict | None = None) -> list[float]:
+    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every batch trained.
+
+    ``after_step(loss)`` is called after every optimizer step (``fit`` saves its checkpoints there). To resume
+    an interrupted epoch, the first ``skip`` batches are drawn but not trained, and then the random state
+    ``resume_rng`` (saved with the checkpoint) is restored.
+    """
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.train()
     device = input_device(model)
     losses = []
     # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs
-    for batch in tqdm(loader, desc="train", leave=False, disable=os.environ.get("TQDM_DISABLE") == "1"):
+    for index, batch in enumerate(tqdm(loader, desc="train", leave=False,
+                                       disable=os.environ.get("TQDM_DISABLE") == "1")):
+        if index < skip:
+            continue
+        if index == skip and resume_rng is not None:
+            set_rng_state(resume_rng)
         batch = to_device(batch, device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = loss_fn(logits, batch["labels"])
@@ -43,6 +56,11 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
             scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(losses[-1])
+    if not losses:
+        raise ValueError("train_epoch: the loader yielded no batches; is its data set empty, or smaller than "
+                         "batch_size with drop_last=True?")
     return losses
 
 
@@ -59,21 +77,68 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
         total += loss_fn(logits, batch["labels"]).item() * len(batch["labels"])
         correct += (logits.argmax(dim=-1) == batch["labels"]).sum().item()
         count += len(batch["labels"])
+    if count == 0:
+        raise ValueError("evaluate: the loader yielded no examples; is its data set empty?")
     return {"loss": total / count, "accuracy": correct / count}
 
 
-def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3) -> list[dict]:
+def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3,
+        checkpoints: Checkpoints | None = None) -> list[dict]:
     """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it.
 
     ``train_loss`` is the mean of the epoch's batch losses, which are kept in ``batch_losses`` for plots.
+    With ``checkpoints`` the run is saved as it goes (every ``checkpoints.every`` steps and after each
+    epoch), and a run started again continues from the latest checkpoint to exactly the weights it would
+    have reached uninterrupted.
     """
-    history = []
-    for epoch in range(1, epochs + 1):
-        batch_losses = train_epoch(model, train_loader, optimizer, scheduler)
+    progress, resume_rng = Progress(), None
+    if checkpoints is not None:
+        progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
+        if progress.step:
+            print(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
+    for epoch in range(progress.epoch + 1, epochs + 1):
+        set_sampler_epoch(train_loader, epoch)
+        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
         train_loss = sum(batch_losses) / len(batch_losses)
         val = evaluate(model, val_loader)
-        history.append({"epoch": epoch, "train_loss": train_loss, "batch_losses": batch_losses,
-                        "val_loss": val["loss"], "val_accuracy": val["accuracy"]})
         print(f"epoch {epoch}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
               f"val accuracy {val['accuracy']:.2f}")
-    return history
+        end_epoch(progress, {"epoch": epoch, "train_loss": train_loss, "batch_losses": batch_losses,
+                             "val_loss": val["loss"], "val_accuracy": val["accuracy"]},
+                  model, optimizer, scheduler, train_loader, checkpoints)
+        resume_rng = None
+    return progress.history
+
+
+def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, scheduler=None,
+                     checkpoints: Checkpoints | None = None, resume_rng: dict | None = None) -> list[float]:
+    """``train_epoch`` for the epoch ``progress`` stands in: skip the batches it already trained, keep
+    ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's batch losses.
+
+    Call it on every process; ``resume_rng`` comes from ``Checkpoints.resume``.
+    """
+    progress.epoch_start = epoch_start_state(loader)
+
+    def after_step(loss):
+        progress.step, progress.batch = progress.step + 1, progress.batch + 1
+        progress.batch_losses.append(loss)
+        # the epoch's last step is saved by end_epoch, together with the epoch's evaluation
+        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 \
+                and progress.batch < len(loader):
+            checkpoints.save(model, optimizer, scheduler, progress)
+
+    train_epoch(model, loader, optimizer, scheduler, after_step=after_step, skip=progress.batch,
+                resume_rng=resume_rng)
+    return progress.batch_losses
+
+
+def end_epoch(progress: Progress, row: dict, model: nn.Module, optimizer, scheduler, loader,
+              checkpoints: Checkpoints | None = None) -> None:
+    """Record the finished epoch's ``row`` in ``progress`` and save a checkpoint, marked best if its
+    ``val_loss`` is the lowest so far (rows without one, as on processes that do not evaluate, never are)."""
+    progress.history.append(row)
+    progress.epoch, progress.batch, progress.batch_losses = progress.epoch + 1, 0, []
+    if checkpoints is not None:
+        progress.epoch_start = epoch_start_state(loader)  # where the next epoch starts
+        best = "val_loss" in row and row["val_loss"] <= min(r["val_loss"] for r in progress.history if "val_loss" in r)
+        checkpoints.save(model, optimizer, scheduler, progress, best=best)

@@ -1,0 +1,31 @@
+"""Use a trained classifier on new sentences."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helpers.data import LABELS
+from helpers.train import input_device, to_device
+
+
+@torch.no_grad()
+def predict(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 32,
+            labels: tuple[str, ...] = LABELS) -> list[tuple[str, float]]:
+    """The most probable label of each text and its probability, computed in batches where ``model`` is.
+
+    Eval mode turns dropout off, so the same sentence always gets the same answer.
+    """
+    if isinstance(texts, str):
+        raise TypeError(f"predict: texts must be a list of sentences, got one str; write [{texts!r}]")
+    model.eval()
+    device = input_device(model)
+    predictions = []
+    for start in range(0, len(texts), batch_size):
+        batch = tokenizer(list(texts[start:start + batch_size]), padding="longest", truncation=True,
+                          max_length=128, return_tensors="pt")
+        batch = to_device(dict(batch), device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        probabilities, ids = logits.softmax(dim=-1).max(dim=-1)
+        predictions += [(labels[i], p) for i, p in zip(ids.tolist(), probabilities.tolist())]
+    return predictions
