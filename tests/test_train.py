@@ -3,11 +3,12 @@
 import torch
 from transformers import set_seed
 
+from helpers.checkpoint import state_dicts_equal
 from helpers.data import load_split, make_loader
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
-from helpers.train import evaluate, fit, input_device, train_epoch
+from helpers.train import evaluate, fit, input_device, time_training_step, train_epoch
 
 
 def test_fit_lowers_the_training_loss_and_records_every_batch(capsys):
@@ -61,3 +62,18 @@ def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
         assert len(train_epoch(model, loader, two_lr_adam(net))) == 2
         assert not torch.equal(before, net.linear.weight)
         assert 0.0 <= evaluate(model, loader)["accuracy"] <= 1.0
+
+
+def test_timing_a_step_leaves_the_training_that_follows_unchanged():
+    tokenizer = load_tokenizer()
+    sample = next(iter(make_loader(load_split("train")[:8], tokenizer, 8)))
+    trained = []
+    for timed in (False, True):
+        set_seed(0)
+        net = Net().eval()
+        if timed:
+            assert time_training_step(net, sample) > 0
+            assert not net.training and all(p.grad is None for p in net.parameters())
+        train_epoch(net, make_loader(load_split("train")[:16], tokenizer, 8, shuffle=True), two_lr_adam(net))
+        trained.append(net.state_dict())
+    assert state_dicts_equal(*trained)  # same dropout masks: the random state was given back
