@@ -33,14 +33,16 @@ TOKENIZER_CONFIG = {  # as the v1 models were saved, before transformers 4.46: n
 }
 
 
-def memo_shaped_config(num_layers: int = 12) -> BertConfig:
-    """BERT-base's configuration with the v1 vocabulary size; ``num_layers`` below 12 makes it cheaper."""
+def memo_shaped_config(num_layers: int = 12, intermediate_size: int = 3072) -> BertConfig:
+    """BERT-base's configuration with the v1 vocabulary size; fewer layers or a narrower feed-forward part
+    (``intermediate_size``, seen nowhere outside the layers) make it cheaper."""
     return BertConfig(vocab_size=VOCAB_SIZE, hidden_size=768, num_hidden_layers=num_layers, num_attention_heads=12,
-                      intermediate_size=3072, max_position_embeddings=512,
+                      intermediate_size=intermediate_size, max_position_embeddings=512,
                       tokenizer_class=TOKENIZER_CONFIG["tokenizer_class"])
 
 
-def build_memo_shaped_bert(out_dir: str | Path, num_layers: int = 12, seed: int = 0) -> Path:
+def build_memo_shaped_bert(out_dir: str | Path, num_layers: int = 12, intermediate_size: int = 3072,
+                           seed: int = 0) -> Path:
     """Write vocab.txt, tokenizer_config.json and a randomly initialised BertModel to ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +53,7 @@ def build_memo_shaped_bert(out_dir: str | Path, num_layers: int = 12, seed: int 
     (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n", encoding="utf-8")
     torch.manual_seed(seed)
-    BertModel(memo_shaped_config(num_layers)).save_pretrained(out_dir)
+    BertModel(memo_shaped_config(num_layers, intermediate_size)).save_pretrained(out_dir)
     return out_dir
 
 
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     transformers_logging.disable_progress_bar()
-    build_memo_shaped_bert(args.out_dir, args.layers, args.seed)
+    build_memo_shaped_bert(args.out_dir, args.layers, seed=args.seed)
     print(f"wrote a {args.layers}-layer, memo-shaped random BERT to {args.out_dir}")
 
 

@@ -53,7 +53,8 @@ def time_training_step(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn
     Call it before training, to see what an epoch will cost on this machine with this model. An untimed
     pass runs first (the first one allocates memory and picks kernels). The random state, the train/eval
     mode and the empty gradients are restored, so training afterwards goes exactly as without the
-    measurement. The optimizer's update is not timed.
+    measurement. The optimizer's update is not timed. Build ``batch`` without a DataLoader (for example
+    with ``PadToLongest``): starting to iterate a DataLoader draws from the global random state.
     """
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     device = input_device(model)
