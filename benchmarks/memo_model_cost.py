@@ -81,6 +81,10 @@ def measure(model: str, repeats: int) -> dict:
     }
 
 
+def step_seconds(row: dict) -> float:
+    return row["forward_backward_s"] + row["optimizer_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -91,17 +95,18 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s); CPU seconds, medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as scratch:
         memo = str(build_memo_shaped_bert(scratch, num_layers=args.layers))
-        rows = {"tiny": measure(DEFAULT_MODEL, args.repeats), f"memo-shaped ({args.layers} layers)": measure(memo, args.repeats)}
+        rows = {"tiny": measure(DEFAULT_MODEL, args.repeats),
+                f"memo-shaped ({args.layers} layers)": measure(memo, args.repeats)}
     print(f"{'model':<26}{'params':>13}{'weights+grads+Adam':>20}{'activations':>13}{'batch':>10}"
           f"{'fwd+bwd':>10}{'Adam step':>11}{'02 training':>13}  (CPU time)")
     for name, r in rows.items():
-        step = r["forward_backward_s"] + r["optimizer_s"]
+        step = step_seconds(r)
         print(f"{name:<26}{r['params']:>13,}{r['train_state_gib']:>16.2f} GiB{r['activations_gib']:>9.2f} GiB"
               f"{str(r['tokens']):>10}{r['forward_backward_s']:>9.2f}s{r['optimizer_s']:>10.2f}s"
               f"{step * STEPS_IN_02 / 60:>9.1f} min")
     tiny, memo = rows.values()
     print(f"ratio memo/tiny: params {memo['params'] / tiny['params']:.0f}x, "
-          f"step time {(memo['forward_backward_s'] + memo['optimizer_s']) / (tiny['forward_backward_s'] + tiny['optimizer_s']):.0f}x")
+          f"step time {step_seconds(memo) / step_seconds(tiny):.0f}x")
 
 
 if __name__ == "__main__":

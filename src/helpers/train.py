@@ -61,7 +61,7 @@ def time_training_step(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn
     batch = to_device(batch, device)
     was_training = model.training
     model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # every GPU: DataParallel uses them all
         for _ in range(2):
             start = time.perf_counter()
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
