@@ -3,8 +3,9 @@
 import pytest
 import torch
 from torch import nn
+from transformers import BertConfig
 
-from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, two_lr_adam
+from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, learning_rates_for, two_lr_adam
 
 
 class Small(nn.Module):
@@ -53,3 +54,9 @@ def test_tensor_from_another_model_is_reported():
     optimizer = torch.optim.Adam(list(net.parameters()) + [other.weight])
     with pytest.raises(ParamGroupError, match=r"1 tensor\(s\) that are not parameters of Small"):
         audit_param_groups(net, optimizer)
+
+
+def test_learning_rates_follow_the_width():
+    assert learning_rates_for(BertConfig(hidden_size=768)) == (5e-5, 1e-4)  # BERT-base: the memo's rates
+    assert learning_rates_for(BertConfig(hidden_size=1024)) == (5e-5, 1e-4)
+    assert learning_rates_for(BertConfig(hidden_size=128)) == (5e-4, 1e-3)  # the bundled tiny model

@@ -4,11 +4,12 @@ import pytest
 import torch
 from transformers import set_seed
 
+from helpers.checkpoint import state_dicts_equal
 from helpers.data import load_split, make_loader
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
-from helpers.train import evaluate, fit, input_device, train_epoch
+from helpers.train import evaluate, fit, input_device, time_training_step, train_epoch
 
 
 def test_fit_lowers_the_training_loss_and_records_every_batch(capsys):
@@ -71,3 +72,18 @@ def test_an_empty_loader_is_named_instead_of_dividing_by_zero():
         train_epoch(net, empty, two_lr_adam(net))
     with pytest.raises(ValueError, match=r"^evaluate: the loader yielded no examples; is its data set empty\?"):
         evaluate(net, empty)
+
+
+def test_timing_a_step_leaves_the_training_that_follows_unchanged():
+    tokenizer = load_tokenizer()
+    sample = next(iter(make_loader(load_split("train")[:8], tokenizer, 8)))
+    trained = []
+    for timed in (False, True):
+        set_seed(0)
+        net = Net().eval()
+        if timed:
+            assert time_training_step(net, sample) > 0
+            assert not net.training and all(p.grad is None for p in net.parameters())
+        train_epoch(net, make_loader(load_split("train")[:16], tokenizer, 8, shuffle=True), two_lr_adam(net))
+        trained.append(net.state_dict())
+    assert state_dicts_equal(*trained)  # same dropout masks: the random state was given back

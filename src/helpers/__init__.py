@@ -7,6 +7,6 @@ from helpers.devices import has_gpus
 from helpers.models import (DEFAULT_MODEL, SEED_MODEL, ModelChoice, ModelNotAvailableError, load_bert, load_tokenizer,
                             resolve_model)
 from helpers.net import Net
-from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, two_lr_adam
-from helpers.train import evaluate, fit, input_device, to_device, train_epoch
+from helpers.optim import ParamGroupError, audit_param_groups, format_param_groups, learning_rates_for, two_lr_adam
+from helpers.train import evaluate, fit, input_device, time_training_step, to_device, train_epoch
 from helpers.wrapping import unwrap

@@ -29,11 +29,11 @@ MECAB_DIC = "unidic_lite"
 MIN_WORD_COUNT = 2
 
 
-def build_vocab(texts: list[str], alphabet: str = "") -> list[str]:
+def build_vocab(texts: list[str], alphabet: str = "", mecab_dic: str = MECAB_DIC) -> list[str]:
     """Special tokens, then MeCab words seen at least twice in ``texts`` (most frequent first), then every
     character of ``texts`` and ``alphabet``, word-initial and as a ``##`` continuation, so that no text
     made of those characters falls back to [UNK]."""
-    mecab = MecabTokenizer(mecab_dic=MECAB_DIC)
+    mecab = MecabTokenizer(mecab_dic=mecab_dic)
     words = Counter(word for text in texts for word in mecab.tokenize(text))
     frequent = sorted((w for w, n in words.items() if n >= MIN_WORD_COUNT), key=lambda w: (-words[w], w))
     chars = sorted({char for word in words for char in word} | set(alphabet))

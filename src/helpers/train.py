@@ -1,8 +1,9 @@
-"""A plain fine-tuning loop: one epoch of training, an evaluation, and both together per epoch."""
+"""A plain fine-tuning loop: one epoch of training, an evaluation, both together per epoch, and a step's cost."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -62,6 +63,33 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
         raise ValueError("train_epoch: the loader yielded no batches; is its data set empty, or smaller than "
                          "batch_size with drop_last=True?")
     return losses
+
+
+def time_training_step(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn=None) -> float:
+    """Seconds one forward and backward pass of ``model`` on ``batch`` takes here: most of a training step.
+
+    Call it before training, to see what an epoch will cost on this machine with this model. An untimed
+    pass runs first (the first one allocates memory and picks kernels). The random state, the train/eval
+    mode and the empty gradients are restored, so training afterwards goes exactly as without the
+    measurement. The optimizer's update is not timed. Build ``batch`` without a DataLoader (for example
+    with ``PadToLongest``): starting to iterate a DataLoader draws from the global random state.
+    """
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    device = input_device(model)
+    batch = to_device(batch, device)
+    was_training = model.training
+    model.train()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # every GPU: DataParallel uses them all
+        for _ in range(2):
+            start = time.perf_counter()
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            loss_fn(logits, batch["labels"]).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return seconds
 
 
 @torch.no_grad()

@@ -1,0 +1,74 @@
+"""Every notebook and solution runs with a model of the memo's shape, as a reader who sets BERT_MODEL runs them.
+
+The model is built here, offline, by helpers.memo_shape: hidden size 768, 12 heads, the v1 vocabulary
+size and a tokenizer_config that names no dictionary (so IPAdic is chosen), random weights; one layer
+instead of twelve and a feed-forward width of 768 instead of 3072 keep it fast (notebook 02's training
+dominates the time). Each notebook is executed in a temporary copy of the notebook
+folder (stored outputs are never touched): a cell meant to raise must raise the exception type it
+raises with the bundled model, and no other cell may fail.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from transformers import BertConfig
+
+from helpers.memo_shape import VOCAB_SIZE, build_memo_shaped_bert
+from helpers.models import load_bert, load_tokenizer, resolve_model
+
+NOTEBOOK_DIR = Path(__file__).parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(NOTEBOOK_DIR.glob("solutions/*.ipynb"))
+
+
+@pytest.fixture(scope="session")
+def memo_shaped_model(tmp_path_factory):
+    # One layer with a narrow feed-forward part: 768 wide where it shows, cheap where it does not.
+    return build_memo_shaped_bert(tmp_path_factory.mktemp("memo-shaped-bert"), num_layers=1, intermediate_size=768)
+
+
+@pytest.fixture(scope="session")
+def notebook_copy(tmp_path_factory):
+    """The notebook folder copied, so that files a notebook writes land outside the repository."""
+    copy = tmp_path_factory.mktemp("run") / "notebooks"
+    shutil.copytree(NOTEBOOK_DIR, copy, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    return copy
+
+
+def test_model_has_the_memo_shape_and_gets_ipadic(memo_shaped_model):
+    config = BertConfig.from_pretrained(memo_shaped_model)
+    assert (config.hidden_size, config.num_attention_heads, config.vocab_size) == (768, 12, VOCAB_SIZE)
+    tokenizer_config = json.loads((memo_shaped_model / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "mecab_kwargs" not in tokenizer_config
+    choice = resolve_model(str(memo_shaped_model))
+    tokenizer = load_tokenizer(choice)
+    assert choice.mecab_dic == "ipadic" and len(tokenizer) == VOCAB_SIZE
+    assert tokenizer.word_tokenizer.tokenize("東京大学") == ["東京大学"]
+    assert tokenizer.unk_token not in tokenizer.tokenize("この店のラーメンは最高でした！")
+    assert load_bert(choice).embeddings.word_embeddings.weight.shape == (VOCAB_SIZE, 768)
+
+
+def errors_of(cell):
+    return [output["ename"] for output in cell.get("outputs", []) if output["output_type"] == "error"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.relative_to(NOTEBOOK_DIR).as_posix())
+def test_notebook_runs_with_the_memo_shaped_model(path, memo_shaped_model, notebook_copy, monkeypatch):
+    for name, value in {"BERT_MODEL": str(memo_shaped_model), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                        "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONHASHSEED": "0"}.items():
+        monkeypatch.setenv(name, value)  # the kernel, and any process it starts, inherits them
+    stored = nbformat.read(path, as_version=4)
+    run = nbformat.read(path, as_version=4)
+    where = notebook_copy / path.relative_to(NOTEBOOK_DIR).parent
+    client = NotebookClient(run, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(where)}})
+    try:
+        client.execute()  # stops at the first error in a cell not tagged raises-exception
+    except CellExecutionError as error:  # its message shows the cell's code and the traceback
+        pytest.fail(f"{path.name}: a cell not meant to raise failed:\n{error}", pytrace=False)
+    for before, after in zip(stored.cells, run.cells):
+        if "raises-exception" in before.metadata.get("tags", []):
+            assert errors_of(after) == errors_of(before), f"{path.name}, cell {before.get('id')}"
