@@ -27,7 +27,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: $(DEV_STAMP)
-	$(NB_ENV) $(BIN)/python -m pytest tests $(NBVAL) notebooks
+	$(NB_ENV) $(BIN)/python -m pytest tests $(NBVAL) notebooks --durations=20
 
 unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest tests
