@@ -23,7 +23,7 @@ from helpers.models import load_bert, load_tokenizer, resolve_model
 
 NOTEBOOK_DIR = Path(__file__).parents[1] / "notebooks"
 # Solutions 02 trains three times; with a 768-wide body that alone took 183 s of a 15-minute suite on 2 cores,
-# so it is left out here (02 runs the same training code; its deliberate errors come from the optimizer audit).
+# so it is left out here (02 runs the same training code; its deliberate errors come from the optimizer, not the model).
 TOO_SLOW = {"solutions/02_solutions.ipynb"}
 NOTEBOOKS = [path for path in sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(NOTEBOOK_DIR.glob("solutions/*.ipynb"))
              if path.relative_to(NOTEBOOK_DIR).as_posix() not in TOO_SLOW]
