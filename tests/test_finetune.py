@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers.checkpoint import Checkpoints, Progress
+from helpers.checkpoint import Checkpoints, Progress, load_checkpoint
 from helpers.ddp_equivalence import weights_digest
 from helpers.finetune import find_problem, parse_args
 from helpers.net import Net
@@ -68,7 +68,7 @@ def test_a_plain_process_trains_and_writes_the_model_it_reports(tmp_path):
     assert (result["world_size"], result["per_rank_batch_size"]) == (1, 8)
     assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == result
     net = Net(pooler=False)
-    net.load_state_dict(torch.load(tmp_path / "out" / "net.pt", weights_only=True))
+    load_checkpoint(tmp_path / "out" / "model", net)
     assert weights_digest(net) == result["weights_sha256"][0]
 
 

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from helpers.distributed import rank, world_size
 from helpers.wrapping import unwrap
 
 MODEL_FILE = "model.safetensors"
@@ -101,27 +102,17 @@ def set_rng_state(state: dict) -> None:
 
 # --- one process or many: rank 0 writes, every rank reads ----------------------------------------------------
 
-def process_rank() -> int:
-    """This process's rank in the process group, or 0 when there is none (a notebook, a plain script)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def process_count() -> int:
-    """How many processes train together: the world size, or 1 without a process group."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def barrier() -> None:
     """Wait until every process gets here; nothing to wait for without a process group."""
-    if process_count() > 1:
+    if world_size() > 1:
         dist.barrier()
 
 
 def gather(value) -> list:
     """``value`` of every process, in rank order (``[value]`` without a process group)."""
-    if process_count() == 1:
+    if world_size() == 1:
         return [value]
-    values = [None] * process_count()
+    values = [None] * world_size()
     dist.all_gather_object(values, value)
     return values
 
@@ -309,7 +300,7 @@ class Checkpoints:
     def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False) -> None:
         """Save where the run stands; call it on every process. ``best`` points ``best`` at it too."""
         per_process = gather({"rng": rng_state()} | {key: getattr(progress, key) for key in PER_PROCESS})
-        if process_rank() == 0:
+        if rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
@@ -342,10 +333,10 @@ class Checkpoints:
         if path is None:
             return Progress(), None
         state = load_checkpoint(path, model, optimizer, scheduler)
-        if len(state["per_process"]) != process_count():
+        if len(state["per_process"]) != world_size():
             raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
-                                  f"with {process_count()}; resume with the same number to continue exactly")
-        mine = state["per_process"][process_rank()]
+                                  f"with {world_size()}; resume with the same number to continue exactly")
+        mine = state["per_process"][rank()]
         progress = Progress(**state["progress"], **{key: mine[key] for key in PER_PROCESS})
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None

@@ -15,12 +15,20 @@ def launched_by_torchrun() -> bool:
 
 
 def world_size() -> int:
-    """How many processes train together; 1 for a plain ``python`` run. Known before the group exists."""
+    """How many processes train together: the group's size once it exists, else what torchrun announced.
+
+    1 for a plain ``python`` run or a notebook. Reading the environment lets a process check its input
+    before joining the group.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def rank() -> int:
     """This process's number among all processes on all machines; 0 speaks for the group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", 0))
 
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers import distributed
-from helpers.checkpoint import CheckpointError, Checkpoints, Progress
+from helpers.checkpoint import CheckpointError, Checkpoints, Progress, save_checkpoint
 from helpers.data import PadToLongest, load_split
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="model initialization and shuffling; dropout uses seed + rank on each process")
     parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
     parser.add_argument("--val-examples", type=int, help="evaluate on the first N validation examples only")
-    parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and net.pt here")
+    parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and the trained model (a checkpoint folder, model/) here")
     parser.add_argument("--check-equivalence", action="store_true",
                         help="first compare one DDP step with one process on the first global-batch-size training "
                              "examples (dropout off): gradients and weights")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-            torch.save(unwrap(model).state_dict(), args.output_dir / "net.pt")
+            save_checkpoint(args.output_dir / "model", model)  # load with helpers.checkpoint.load_checkpoint
         print(json.dumps(result), flush=True)
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()

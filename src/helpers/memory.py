@@ -11,6 +11,8 @@ from helpers.memtrace import ORDER, StepMemory, trace_fake
 
 STRATEGIES = ("single", "dataparallel", "ddp")
 _traces: dict[tuple, StepMemory] = {}
+# trace_fake's defaults, so a question asked with and without them is recognised as the same one
+TRACE_DEFAULTS = {"attention": "eager", "checkpointing": False, "cuda_dropout": True, "accumulation": 1, "seed": 0}
 
 
 def activation_formula(config, batch_size: int, seq_len: int, *, attention: str = "eager",
@@ -51,6 +53,7 @@ def trace_by_layers(config, batch_size: int, seq_len: int, **options) -> StepMem
     not one and two: with one layer the first layer is also the last, and the backward peak differs.
     Results are kept, so repeated questions cost nothing.
     """
+    options = TRACE_DEFAULTS | options
     key = (config.to_json_string(), batch_size, seq_len, tuple(sorted(options.items())))
     if key not in _traces and config.num_hidden_layers <= 3:
         _traces[key] = trace_fake(config, batch_size, seq_len, **options)
