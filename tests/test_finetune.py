@@ -61,11 +61,12 @@ def test_ddp_gradients_on_two_halves_equal_one_process_on_the_whole_batch():
 
 
 def test_a_plain_process_trains_and_writes_the_model_it_reports(tmp_path):
-    command = [sys.executable, "-m", "helpers.finetune", *SMALL, "--output-dir", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "helpers.finetune", *SMALL, "--output-dir", str(tmp_path / "out"), "--body-lr", "1e-4"]
     run = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     result = last_json(run.stdout)
     assert (result["world_size"], result["per_rank_batch_size"]) == (1, 8)
+    assert "peak learning rates: body 0.0001, head 0.001" in run.stdout  # as given; learning_rates_for's (128 wide)
     assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == result
     net = Net(pooler=False)
     load_checkpoint(tmp_path / "out" / "model", net)

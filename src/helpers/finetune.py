@@ -31,7 +31,7 @@ from helpers.data import PadToLongest, load_split
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
 from helpers.net import Net
-from helpers.optim import two_lr_adam
+from helpers.optim import learning_rates_for, two_lr_adam
 from helpers.train import end_epoch, evaluate, train_epoch_from
 from helpers.wrapping import unwrap
 
@@ -44,8 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="examples per optimizer step over all processes (default 32, as notebook 02); each "
                              "process takes global-batch-size / number-of-processes of them (the per-rank batch)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training data (default 2, as 02)")
-    parser.add_argument("--body-lr", type=float, default=5e-4, help="peak learning rate of BERT (default: 02's)")
-    parser.add_argument("--head-lr", type=float, default=1e-3, help="peak learning rate of the head (default: 02's)")
+    parser.add_argument("--body-lr", type=float,
+                        help="peak learning rate of BERT (default: what helpers.optim.learning_rates_for picks for "
+                             "the model, as in notebook 02)")
+    parser.add_argument("--head-lr", type=float, help="peak learning rate of the head (default: as --body-lr)")
     parser.add_argument("--seed", type=int, default=0,
                         help="model initialization and shuffling; dropout uses seed + rank on each process")
     parser.add_argument("--train-examples", type=int, help="train on the first N training examples only")
@@ -158,7 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
     net = Net(args.model, pooler=args.keep_pooler).to(device)
-    optimizer = two_lr_adam(net, body_lr=args.body_lr, head_lr=args.head_lr)  # built on the plain model
+    rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
+    body_lr = rule_body_lr if args.body_lr is None else args.body_lr
+    head_lr = rule_head_lr if args.head_lr is None else args.head_lr
+    optimizer = two_lr_adam(net, body_lr=body_lr, head_lr=head_lr)  # built on the plain model
+    log(f"peak learning rates: body {body_lr:g}, head {head_lr:g}")
     total_steps = args.epochs * len(train_loader)
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
                                                 num_training_steps=total_steps)

@@ -33,27 +33,32 @@ TOKENIZER_CONFIG = {  # as the v1 models were saved, before transformers 4.46: n
 }
 
 
-def memo_shaped_config(num_layers: int = 12, intermediate_size: int = 3072) -> BertConfig:
+def memo_shaped_config(num_layers: int = 12, intermediate_size: int = 3072, vocab_size: int = VOCAB_SIZE) -> BertConfig:
     """BERT-base's configuration with the v1 vocabulary size; fewer layers or a narrower feed-forward part
     (``intermediate_size``, seen nowhere outside the layers) make it cheaper."""
-    return BertConfig(vocab_size=VOCAB_SIZE, hidden_size=768, num_hidden_layers=num_layers, num_attention_heads=12,
+    return BertConfig(vocab_size=vocab_size, hidden_size=768, num_hidden_layers=num_layers, num_attention_heads=12,
                       intermediate_size=intermediate_size, max_position_embeddings=512,
                       tokenizer_class=TOKENIZER_CONFIG["tokenizer_class"])
 
 
 def build_memo_shaped_bert(out_dir: str | Path, num_layers: int = 12, intermediate_size: int = 3072,
-                           seed: int = 0) -> Path:
-    """Write vocab.txt, tokenizer_config.json and a randomly initialised BertModel to ``out_dir``."""
+                           seed: int = 0, pad_vocab: bool = True) -> Path:
+    """Write vocab.txt, tokenizer_config.json and a randomly initialised BertModel to ``out_dir``.
+
+    ``pad_vocab=False`` keeps only the bundled data's tokens: the placeholders are never seen in text,
+    but their embeddings and Adam state cost memory and time at every step.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = build_vocab([example.text for example in load_split("train")], bundled_alphabet(), mecab_dic="ipadic")
     if len(vocab) > VOCAB_SIZE:
         raise ValueError(f"the bundled data gives {len(vocab)} tokens, more than the v1 vocabulary's {VOCAB_SIZE}")
-    vocab += [f"[unused{i}]" for i in range(VOCAB_SIZE - len(vocab))]
+    if pad_vocab:
+        vocab += [f"[unused{i}]" for i in range(VOCAB_SIZE - len(vocab))]
     (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n", encoding="utf-8")
     torch.manual_seed(seed)
-    BertModel(memo_shaped_config(num_layers, intermediate_size)).save_pretrained(out_dir)
+    BertModel(memo_shaped_config(num_layers, intermediate_size, len(vocab))).save_pretrained(out_dir)
     return out_dir
 
 
