@@ -4,7 +4,7 @@
 
 Three set-ups, measured side by side in rounds (so a change in machine load hits all of them):
   1 process x 1 thread, 2 DDP processes x 1 thread each, 1 process x 2 threads.
-The model (BERT, hidden 256, 4 layers, sequence 64, random weights and tokens) is big enough that
+The model (BERT, hidden 256, 4 layers, sequence 128, random weights and tokens) is big enough that
 compute, not communication or Python, dominates a step. Prints medians, speed-up and efficiency.
 """
 
@@ -89,7 +89,7 @@ def measure(world_size: int, threads: int, args: argparse.Namespace) -> list[flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4, help="steps per timed window")
     parser.add_argument("--windows", type=int, default=2, help="timed windows per launch")
     parser.add_argument("--rounds", type=int, default=3, help="launches of every set-up, interleaved")
