@@ -89,18 +89,31 @@ def check_memory(batch_sizes=(8, 16, 32), seq_len: int = 512) -> list[tuple[bool
     return results
 
 
+NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+
+
+def series_notebooks() -> list[Path]:
+    """The lessons in order, then their solutions."""
+    return sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
+
+
+def execute_copy(notebook: Path, target: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Execute a copy of ``notebook`` at ``target``, in target's folder, as ``make notebooks`` does (``env`` added).
+
+    It stops at the first error in a cell not tagged raises-exception; the committed notebook is untouched.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(notebook, target)
+    return subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                           "--inplace", "--ExecutePreprocessor.timeout=1200", str(target)],
+                          cwd=target.parent, env=os.environ | NOTEBOOK_ENV | (env or {}), capture_output=True, text=True)
+
+
 def execute_notebooks(scratch: Path) -> list[tuple[bool, str]]:
     """Execute every notebook into ``scratch`` (the committed notebooks are left untouched)."""
-    env = os.environ | {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
-                        "PYTHONHASHSEED": "0"}
     results = []
-    for notebook in sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb")):
-        target = scratch / notebook.relative_to(ROOT / "notebooks")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(notebook, target)
-        run = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                              "--inplace", "--ExecutePreprocessor.timeout=1200", str(target)],
-                             cwd=target.parent, env=env, capture_output=True, text=True)
+    for notebook in series_notebooks():
+        run = execute_copy(notebook, scratch / notebook.relative_to(ROOT / "notebooks"))
         last = (run.stderr.strip().splitlines() or [""])[-1]
         results.append((run.returncode == 0, f"{'ok  ' if run.returncode == 0 else 'FAIL'} notebook "
                                              f"{notebook.relative_to(ROOT)}" + ("" if run.returncode == 0 else f": {last}")))
