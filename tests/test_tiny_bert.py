@@ -43,3 +43,39 @@ def test_vocabulary_covers_every_bundled_sentence():
 def test_bundled_vocab_file_matches_the_builder():
     vocab = (bundled_model_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
     assert vocab == build_vocab([e.text for e in load_split("train")], bundled_alphabet())
+
+
+def test_whole_word_masking_picks_every_piece_of_a_word_together():
+    import torch
+
+    from helpers.tiny_bert import mask_tokens
+
+    # [CLS] w ##x ##y w ##z w [SEP], many rows: a word's pieces are chosen together or not at all.
+    ids = torch.tensor([[2, 10, 11, 12, 13, 14, 15, 3]] * 400)
+    special = (ids == 2) | (ids == 3)
+    continuation = torch.tensor([[False, False, True, True, False, True, False, False]] * 400)
+    generator = torch.Generator().manual_seed(0)
+    _, labels = mask_tokens(ids, special, 4, 20, generator, continuation=continuation)
+    chosen = labels != -100
+    assert not chosen[:, [0, 7]].any()
+    assert torch.equal(chosen[:, 1], chosen[:, 2]) and torch.equal(chosen[:, 1], chosen[:, 3])
+    assert torch.equal(chosen[:, 4], chosen[:, 5])
+    assert 0.08 < chosen[:, 1].float().mean() < 0.22  # words, not pieces, are drawn at 15 %
+    _, token_level = mask_tokens(ids, special, 4, 20, torch.Generator().manual_seed(0))
+    assert not torch.equal(token_level[:, 1] != -100, token_level[:, 2] != -100)
+
+
+def test_a_broader_corpus_joins_vocabulary_and_pretraining(tmp_path):
+    corpus = ["このコマンドはファイルの一覧を表示します。", "設定ファイルを編集してから再起動します。"] * 3
+    build_tiny_bert(tmp_path / "m", steps=2, corpus=corpus, whole_words=True)
+    vocab = (tmp_path / "m" / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert "コマンド" in vocab
+    assert "コマンド" not in (bundled_model_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+
+
+def test_max_words_keeps_the_most_frequent_words():
+    texts = [e.text for e in load_split("train")]
+    full, capped = build_vocab(texts), build_vocab(texts, max_words=100)
+    assert capped[:105] == full[:105]
+    assert all(len(token.removeprefix("##")) == 1 for token in capped[105:])  # then characters only
+    assert any(len(token) > 1 and not token.startswith("##") for token in full[105:])

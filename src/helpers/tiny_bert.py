@@ -5,6 +5,10 @@ the series runs unchanged with the full-size model; it is only far smaller and h
 Building is deterministic: the same corpus, seed and steps give byte-identical files.
 
     python -m helpers.tiny_bert OUT_DIR [--steps N]
+
+The bundled model reads the train split only. ``--corpus FILE`` (one sentence per line, e.g. from
+``python -m helpers.corpus``) adds broader text to the vocabulary and to pre-training; the model card beside
+the bundled model reports what that changed.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ from helpers.data import SPLITS, load_split
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MECAB_DIC = "unidic_lite"
 MIN_WORD_COUNT = 2
+REVIEW_SHARE = 0.25  # of the pre-training sentences, when a broader corpus joins the train split
 
 
-def build_vocab(texts: list[str], alphabet: str = "", mecab_dic: str = MECAB_DIC) -> list[str]:
-    """Special tokens, then MeCab words seen at least twice in ``texts`` (most frequent first), then every
-    character of ``texts`` and ``alphabet``, word-initial and as a ``##`` continuation, so that no text
-    made of those characters falls back to [UNK]."""
+def build_vocab(texts: list[str], alphabet: str = "", mecab_dic: str = MECAB_DIC,
+                max_words: int | None = None) -> list[str]:
+    """Special tokens, then MeCab words seen at least twice in ``texts`` (most frequent first, at most
+    ``max_words``), then every character of ``texts`` and ``alphabet``, word-initial and as a ``##``
+    continuation, so that no text made of those characters falls back to [UNK]."""
     mecab = MecabTokenizer(mecab_dic=mecab_dic)
     words = Counter(word for text in texts for word in mecab.tokenize(text))
     frequent = sorted((w for w, n in words.items() if n >= MIN_WORD_COUNT), key=lambda w: (-words[w], w))
+    frequent = frequent[:max_words]
     chars = sorted({char for word in words for char in word} | set(alphabet))
     vocab = SPECIAL_TOKENS + frequent
     known = set(vocab)
@@ -72,10 +79,18 @@ def tiny_config(vocab_size: int) -> BertConfig:
     )
 
 
-def mask_tokens(input_ids, special_mask, mask_id, vocab_size, generator, probability=0.15):
-    """BERT's masking: pick 15% of the tokens; replace 80% of those by [MASK], 10% by a random token."""
+def mask_tokens(input_ids, special_mask, mask_id, vocab_size, generator, probability=0.15, continuation=None):
+    """BERT's masking: pick 15% of the tokens; replace 80% of those by [MASK], 10% by a random token.
+
+    With ``continuation`` (True where a token is a ``##`` piece), whole-word masking as the Tohoku models
+    use: a word's pieces are picked together, by the draw at its first piece.
+    """
     labels = input_ids.clone()
     chosen = (torch.rand(input_ids.shape, generator=generator) < probability) & ~special_mask
+    if continuation is not None:
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        word_start = torch.where(continuation, 0, positions).cummax(dim=1).values
+        chosen = chosen.gather(1, word_start) & ~special_mask
     labels[~chosen] = -100
     inputs = input_ids.clone()
     roll = torch.rand(input_ids.shape, generator=generator)
@@ -86,10 +101,12 @@ def mask_tokens(input_ids, special_mask, mask_id, vocab_size, generator, probabi
     return inputs, labels
 
 
-def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 32):
+def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 32,
+             whole_words: bool = False):
     """Masked-LM training on ``texts`` with AdamW and a linear warmup/decay; returns the loss per step."""
     generator = torch.Generator().manual_seed(seed)
     encoded = tokenizer(texts, truncation=True, max_length=64)["input_ids"]
+    pieces = torch.tensor([token.startswith("##") for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -100,7 +117,9 @@ def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, se
         picks = torch.randint(len(encoded), (batch_size,), generator=generator).tolist()
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in picks]}, return_tensors="pt")
         special = torch.isin(batch["input_ids"], torch.tensor(tokenizer.all_special_ids))
-        inputs, labels = mask_tokens(batch["input_ids"], special, tokenizer.mask_token_id, len(tokenizer), generator)
+        continuation = pieces[batch["input_ids"]] if whole_words else None
+        inputs, labels = mask_tokens(batch["input_ids"], special, tokenizer.mask_token_id, len(tokenizer), generator,
+                                     continuation=continuation)
         hidden = model.bert(input_ids=inputs, attention_mask=batch["attention_mask"]).last_hidden_state
         chosen = labels != -100  # predict only the chosen tokens: the full-vocabulary head is the costly part
         loss = nn.functional.cross_entropy(model.cls(hidden[chosen]), labels[chosen])
@@ -121,20 +140,26 @@ def body_only(model: BertForMaskedLM) -> BertModel:
     return body
 
 
-def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0) -> list[float]:
+def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus: list[str] = (),
+                    whole_words: bool = False, max_words: int | None = None, batch_size: int = 32) -> list[float]:
     """Write tokenizer and BertModel weights to ``out_dir``.
 
     Words and pre-training come from the train split only; the characters of the validation and test
     splits join the alphabet (no labels are read), as a real vocabulary covers far more characters.
+    ``corpus`` sentences join both; the train split is repeated so that it stays about a quarter of what
+    pre-training reads.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    texts = [example.text for example in load_split("train")]
+    reviews = [example.text for example in load_split("train")]
+    repeats = max(1, round(REVIEW_SHARE * len(corpus) / ((1 - REVIEW_SHARE) * len(reviews))))
+    texts = reviews * repeats + list(corpus)
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = make_tokenizer(build_vocab(texts, bundled_alphabet()), Path(scratch))
+        tokenizer = make_tokenizer(build_vocab(reviews + list(corpus), bundled_alphabet(), max_words=max_words),
+                                   Path(scratch))
         model = BertForMaskedLM(tiny_config(len(tokenizer)))
-        losses = pretrain(model, tokenizer, texts, steps, seed)
+        losses = pretrain(model, tokenizer, texts, steps, seed, batch_size, whole_words)
     tokenizer.save_pretrained(out_dir)
     body_only(model).save_pretrained(out_dir)
     return losses
@@ -145,9 +170,15 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", type=Path, help="more pre-training text, one sentence per line")
+    parser.add_argument("--whole-word-masking", action="store_true")
+    parser.add_argument("--max-words", type=int, help="cap on the vocabulary's whole words")
+    parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
     transformers_logging.disable_progress_bar()
-    losses = build_tiny_bert(args.out_dir, args.steps, args.seed)
+    corpus = args.corpus.read_text(encoding="utf-8").splitlines() if args.corpus else []
+    losses = build_tiny_bert(args.out_dir, args.steps, args.seed, corpus, args.whole_word_masking, args.max_words,
+                             args.batch_size)
     first, last = (sum(part) / len(part) for part in (losses[:50], losses[-50:]))
     print(f"masked-LM loss {first:.2f} -> {last:.2f} over {args.steps} steps "
           f"(perplexity {math.exp(first):.0f} -> {math.exp(last):.0f})")
