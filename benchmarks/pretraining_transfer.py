@@ -2,9 +2,10 @@
 
 For each model: the pre-trained body with the two learning rates of ``learning_rates_for``, the same
 architecture and vocabulary from random initialisation, the pre-trained body with one shared rate (the
-head's), and with a body rate five times smaller (what protects a well pre-trained body); beside the bag-of-words baseline of notebook 02. Validation and test accuracy after 2 epochs,
-median (and range) over seeds: the seed sets the head's and the random body's initial weights and the
-batch order, and moves accuracy by a few points on these 522-sentence splits.
+head's), and with a body rate five times smaller (what protects a well pre-trained body); beside the
+bag-of-words baseline of notebook 02. Validation and test accuracy after 2 epochs, median (and range) over
+seeds: the seed sets the head's and the random body's initial weights and the batch order, and moves accuracy
+by a few points on these 522-sentence splits.
 
     python benchmarks/pretraining_transfer.py [MODEL_DIR ...] [--seeds 3]    (default: the bundled model)
 

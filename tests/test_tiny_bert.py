@@ -1,6 +1,8 @@
 """The bundled tiny model: deterministic to build, loadable like a hub model, no [UNK] on the bundled text."""
 
 import filecmp
+import subprocess
+import sys
 
 from transformers import BertJapaneseTokenizer, BertModel
 
@@ -79,3 +81,27 @@ def test_max_words_keeps_the_most_frequent_words():
     assert capped[:105] == full[:105]
     assert all(len(token.removeprefix("##")) == 1 for token in capped[105:])  # then characters only
     assert any(len(token) > 1 and not token.startswith("##") for token in full[105:])
+
+
+def test_size_options_keep_bert_base_proportions(tmp_path):
+    build_tiny_bert(tmp_path / "m", steps=1, hidden_size=64, layers=1)
+    config = BertModel.from_pretrained(tmp_path / "m").config
+    assert (config.hidden_size, config.num_hidden_layers) == (64, 1)
+    assert (config.num_attention_heads, config.intermediate_size) == (2, 256)
+
+
+def test_a_width_the_heads_cannot_split_is_refused_before_building(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "helpers.tiny_bert", str(tmp_path / "m"), "--hidden-size", "100"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--hidden-size 100 is not a multiple of 32" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_model_card_states_the_bundled_model_size():
+    card = (bundled_model_dir() / "MODEL_CARD.md").read_text(encoding="utf-8")
+    bert, tokenizer = load_bert(), load_tokenizer()
+    config = bert.config
+    assert f"{config.num_hidden_layers}-layer BERT (hidden size {config.hidden_size}" in card
+    assert f"{sum(p.numel() for p in bert.parameters()):,} parameters" in card
+    assert f"WordPiece; {len(tokenizer):,} tokens" in card

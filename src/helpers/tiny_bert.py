@@ -68,13 +68,14 @@ def make_tokenizer(vocab: list[str], directory: Path) -> BertJapaneseTokenizer:
     )
 
 
-def tiny_config(vocab_size: int) -> BertConfig:
+def tiny_config(vocab_size: int, hidden_size: int = 128, layers: int = 4) -> BertConfig:
+    """BERT-base's proportions, scaled down: heads of 32 dimensions, a feed-forward layer 4 times as wide."""
     return BertConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=512,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 32,
+        intermediate_size=4 * hidden_size,
         max_position_embeddings=128,
     )
 
@@ -110,7 +111,7 @@ def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, se
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min((step + 1) / warmup, max(0.0, (steps - step) / (steps - warmup))))
+        optimizer, lambda step: min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup))))
     model.train()
     losses = []
     for _ in range(steps):
@@ -141,7 +142,8 @@ def body_only(model: BertForMaskedLM) -> BertModel:
 
 
 def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus: list[str] = (),
-                    whole_words: bool = False, max_words: int | None = None, batch_size: int = 32) -> list[float]:
+                    whole_words: bool = False, max_words: int | None = None, batch_size: int = 32,
+                    hidden_size: int = 128, layers: int = 4) -> list[float]:
     """Write tokenizer and BertModel weights to ``out_dir``.
 
     Words and pre-training come from the train split only; the characters of the validation and test
@@ -158,7 +160,7 @@ def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = make_tokenizer(build_vocab(reviews + list(corpus), bundled_alphabet(), max_words=max_words),
                                    Path(scratch))
-        model = BertForMaskedLM(tiny_config(len(tokenizer)))
+        model = BertForMaskedLM(tiny_config(len(tokenizer), hidden_size, layers))
         losses = pretrain(model, tokenizer, texts, steps, seed, batch_size, whole_words)
     tokenizer.save_pretrained(out_dir)
     body_only(model).save_pretrained(out_dir)
@@ -174,11 +176,17 @@ def main() -> None:
     parser.add_argument("--whole-word-masking", action="store_true")
     parser.add_argument("--max-words", type=int, help="cap on the vocabulary's whole words")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: pre-training needs at least one step")
+    if args.hidden_size % 32:
+        parser.error(f"--hidden-size {args.hidden_size} is not a multiple of 32 (each attention head has 32)")
     transformers_logging.disable_progress_bar()
     corpus = args.corpus.read_text(encoding="utf-8").splitlines() if args.corpus else []
     losses = build_tiny_bert(args.out_dir, args.steps, args.seed, corpus, args.whole_word_masking, args.max_words,
-                             args.batch_size)
+                             args.batch_size, args.hidden_size, args.layers)
     first, last = (sum(part) / len(part) for part in (losses[:50], losses[-50:]))
     print(f"masked-LM loss {first:.2f} -> {last:.2f} over {args.steps} steps "
           f"(perplexity {math.exp(first):.0f} -> {math.exp(last):.0f})")
