@@ -14,8 +14,9 @@ import torch
 
 from helpers.checkpoint import Checkpoints, Progress, load_checkpoint
 from helpers.ddp_equivalence import weights_digest
-from helpers.finetune import find_problem, parse_args
+from helpers.finetune import find_problem, last_json, parse_args, use_deterministic_algorithms
 from helpers.net import Net
+from helpers.training_checks import EQUIVALENCE_RUN, finetune_command, judge_ddp_equivalence
 
 TIMEOUT = 300
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
@@ -26,10 +27,6 @@ SMALL = ["--train-examples", "32", "--global-batch-size", "8", "--epochs", "1"]
 def torchrun(*args, nproc=2):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def last_json(stdout):
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def free_port():
@@ -51,8 +48,12 @@ def test_two_processes_split_the_global_batch_and_end_with_identical_weights():
 
 
 def test_ddp_gradients_on_two_halves_equal_one_process_on_the_whole_batch():
-    run = torchrun("-m", "helpers.finetune", *SMALL, "--check-equivalence")
+    run = subprocess.run(finetune_command(2, *EQUIVALENCE_RUN), env=ENV, capture_output=True, text=True,
+                         timeout=TIMEOUT)  # what make gpu-check runs over NCCL
     assert run.returncode == 0, run.stderr
+    ok, line = judge_ddp_equivalence(run, "DDP 2 processes")
+    assert ok and line.startswith("DDP 2 processes over gloo: max |DDP - one process| gradient "), line
+    assert line.endswith("weights bitwise equal on all ranks after a step and after training: True")
     check = last_json(run.stdout)["equivalence"]
     assert (check["world_size"], check["per_rank_batch_size"], check["gradient_tensors"]) == (2, 4, 71)
     assert check["max_abs_grad_diff"] <= 1e-6
@@ -67,7 +68,11 @@ def test_a_plain_process_trains_and_writes_the_model_it_reports(tmp_path):
     result = last_json(run.stdout)
     assert (result["world_size"], result["per_rank_batch_size"]) == (1, 8)
     assert "peak learning rates: body 0.0001, head 0.001" in run.stdout  # as given; learning_rates_for's (128 wide)
-    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == result
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert len(metrics["history"][0]["batch_losses"]) == 4  # every batch's loss is in the file
+    del metrics["history"][0]["batch_losses"]
+    assert metrics == result  # and the printed summary is the rest of it
+    assert len(run.stdout.strip().splitlines()[-1]) < 600
     net = Net(pooler=False)
     load_checkpoint(tmp_path / "out" / "model", net)
     assert weights_digest(net) == result["weights_sha256"][0]
@@ -136,7 +141,7 @@ def test_bad_input_stops_every_rank_with_one_message_from_rank_0(tmp_path, args,
 def test_a_model_missing_on_one_machine_only_stops_all_ranks():
     codes, outputs = launch_ranks(SMALL, [{}, {"BERT_MODEL": "/no/such/model/dir"}])
     assert codes == [2, 2]
-    assert "Model '/no/such/model/dir' is not available here" in outputs[0][1]
+    assert f"error: rank 1 on {socket.gethostname()}: Model '/no/such/model/dir' is not available here" in outputs[0][1]
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -161,3 +166,54 @@ def test_resuming_from_another_models_checkpoint_stops_with_the_file_and_the_cau
     assert run.returncode == 2
     assert run.stderr.startswith(f"error: {tmp_path}/step-000001/model.safetensors: saved from a different model "
                                  f"than Net; missing: bert.embeddings.word_embeddings.weight")
+
+
+def test_last_json_skips_warnings_printed_after_the_summary():
+    text = ('1 process(es), backend nccl\n{"world_size": 2, "steps": 4}\n'
+            '/x/distributed_c10d.py:5344: UserWarning: barrier(): using the device under current context.\n'
+            '  warnings.warn(  # warn only once\n')
+    assert last_json(text) == {"world_size": 2, "steps": 4}
+    with pytest.raises(ValueError, match=r"no line of this output is a JSON object \(2 lines\).*'\[1, 2\]'"):
+        last_json("epoch 1: train loss 0.69\n[1, 2]\n")
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """torch answers as on a machine with one CUDA GPU, for the argument check only (nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize(("env", "device", "expected"), [
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, "auto", None),
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, "auto",  # rank 0 finds it too, so every process stops
+     "2 processes on this machine but torch sees 1 CUDA GPU(s), and each process needs a GPU of its own "
+     "(LOCAL_RANK 1 has none): start at most 1 (torchrun --nproc_per_node=1), or add --device cpu to run all 2 "
+     "on the CPU over gloo"),
+    ({"LOCAL_RANK": "1"}, "cuda", "2 processes on this machine but torch sees 1 CUDA GPU(s)"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "cpu", None),
+])
+def test_more_processes_than_gpus_are_refused_before_anything_starts(one_gpu, monkeypatch, env, device, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    problem = find_problem(parse_args(["--device", device]), world_size=2, rank=int(env["LOCAL_RANK"]),
+                           train_examples=100)
+    assert problem == expected if expected is None else problem.startswith(expected)
+
+
+def test_device_cuda_without_cuda_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert find_problem(parse_args(["--device", "cuda"]), world_size=1, rank=0, train_examples=100) == (
+        "--device cuda: torch sees no CUDA device on this machine; use --device cpu (or auto)")
+
+
+def test_deterministic_sets_every_switch(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

@@ -4,7 +4,6 @@ uninterrupted run ends: same weights, same losses.
 Run as a script (``python tests/test_resume.py DIR``) this file is the child: the same run, checkpointing to DIR.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
 from helpers.train import fit
+from helpers.training_checks import RESUME_RUN, finetune_command, kill_and_resume, resume_line
 
 EPOCHS, BATCHES_PER_EPOCH, SAVE_EVERY = 2, 8, 3
 
@@ -68,40 +68,17 @@ if __name__ == "__main__":
     run(sys.argv[1])
 
 
-TORCHRUN_ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
-                             "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-FINETUNE = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "helpers.finetune",
-            "--train-examples", str(8 * BATCHES_PER_EPOCH), "--global-batch-size", "8", "--epochs", str(EPOCHS)]
-
-
-def finetune(*args):
-    run = subprocess.run([sys.executable, *FINETUNE, *args], env=TORCHRUN_ENV, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
 def test_torchrun_killed_mid_epoch_and_resumed_ends_bitwise_like_an_uninterrupted_run(tmp_path):
-    directory = tmp_path / "checkpoints"
-    saving = ["--checkpoint-dir", str(directory), "--save-every", str(SAVE_EVERY)]
-    with open(tmp_path / "torchrun.log", "w") as log:
-        # its own process group, so that one SIGKILL reaches torchrun and both workers, as when a machine dies
-        launcher = subprocess.Popen([sys.executable, *FINETUNE, *saving], env=TORCHRUN_ENV, stdout=log, stderr=log,
-                                    start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not (directory / "latest").exists():
-            assert launcher.poll() is None, f"torchrun ended before its first checkpoint: {log.name}"
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.01)
-        os.killpg(launcher.pid, signal.SIGKILL)
-        assert launcher.wait() == -signal.SIGKILL
-    stopped_at = read_state(Checkpoints(directory).latest() / STATE_FILE)
-    assert 0 < stopped_at["progress"]["batch"] < BATCHES_PER_EPOCH, stopped_at["progress"]
-    assert len(stopped_at["per_process"]) == 2
-
-    resumed = finetune(*saving, "--resume")
-    uninterrupted = finetune()
-    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
+    # make gpu-check runs the same with CUDA; --deterministic changes nothing on the CPU, which is deterministic
+    result = kill_and_resume(finetune_command(2, *RESUME_RUN, "--deterministic"), tmp_path / "checkpoints",
+                             tmp_path / "torchrun.log")
+    assert 0 < result["stopped_at"]["batch"] < BATCHES_PER_EPOCH, result["stopped_at"]  # killed mid-epoch
+    assert result["processes_saved"] == 2
+    resumed, uninterrupted = result["resumed"], result["uninterrupted"]
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"] and result["bitwise"]
     assert len(set(resumed["weights_sha256"])) == 1  # and the two ranks agree
     for mine, theirs in zip(resumed["history"], uninterrupted["history"], strict=True):
         assert (mine["train_loss"], mine["val_loss"]) == (theirs["train_loss"], theirs["val_loss"])
+    assert resume_line(result) == (True, f"killed at step {SAVE_EVERY} (batch {SAVE_EVERY} of 8), "
+                                                       f"resumed weights bitwise equal to an uninterrupted run on "
+                                                       f"every rank: True")

@@ -87,3 +87,12 @@ def test_timing_a_step_leaves_the_training_that_follows_unchanged():
         train_epoch(net, make_loader(load_split("train")[:16], tokenizer, 8, shuffle=True), two_lr_adam(net))
         trained.append(net.state_dict())
     assert state_dicts_equal(*trained)  # same dropout masks: the random state was given back
+
+
+@pytest.mark.parametrize(("rank", "bar"), [("0", True), ("1", False)])
+def test_only_rank_0_draws_the_progress_bar(capsys, monkeypatch, rank, bar):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setenv("RANK", rank)  # as torchrun sets it; helpers.distributed.rank() reads it before a group exists
+    net = Net()
+    train_epoch(net, make_loader(load_split("train")[:8], load_tokenizer(), 4), two_lr_adam(net))
+    assert ("train: 100%" in capsys.readouterr().err) == bar

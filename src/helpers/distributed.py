@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 def launched_by_torchrun() -> bool:
@@ -32,9 +35,35 @@ def rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def device_for_this_process() -> torch.device:
-    """One process per device: the GPU numbered LOCAL_RANK on this machine, or the CPU where there is none."""
-    if torch.cuda.is_available():
+def device_problem(choice: str = "auto") -> str | None:
+    """Why this process cannot have a device of its own for ``--device choice``, or None.
+
+    torchrun starts LOCAL_WORLD_SIZE processes on each machine, numbered by LOCAL_RANK; each takes the GPU of
+    that number. Counting the machine's processes, not only this one's number, makes every process of the
+    machine find the same problem, so they all stop before joining a group that one of them cannot join.
+    """
+    if choice == "cpu":
+        return None
+    if choice == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA device on this machine; use --device cpu (or auto)"
+    if not torch.cuda.is_available():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
+    gpus = torch.cuda.device_count()
+    if processes > gpus:
+        return (f"{processes} processes on this machine but torch sees {gpus} CUDA GPU(s), and each process needs "
+                f"a GPU of its own (LOCAL_RANK {processes - 1} has none): start at most {gpus} "
+                f"(torchrun --nproc_per_node={gpus}), or add --device cpu to run all {processes} on the CPU over gloo")
+    return None
+
+
+def device_for_this_process(choice: str = "auto") -> torch.device:
+    """One process per device: the GPU numbered LOCAL_RANK on this machine, or the CPU where there is none.
+
+    ``choice`` "cpu" keeps the processes on the CPU even where there are GPUs; check ``device_problem`` first.
+    """
+    if choice != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -43,26 +72,35 @@ def init_process_group(device: torch.device) -> None:
     """Join the group: NCCL between GPUs, gloo between CPU processes.
 
     Under torchrun the rendezvous address comes from the environment; a plain process forms a group of
-    one in memory (HashStore), so the same DDP code runs unchanged with one process.
+    one in memory (HashStore), so the same DDP code runs unchanged with one process. Under NCCL,
+    ``device_id`` binds the group to this process's GPU: barriers then know which GPU to use instead of
+    warning that they guess.
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend, options = "gloo", {}
     if device.type == "cuda":
+        backend, options = "nccl", {"device_id": device}
         torch.cuda.set_device(device)
     if launched_by_torchrun():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **options)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
 
 def agree_on_problem(problem: str | None) -> str | None:
     """The first problem any rank found (lowest rank first), or None; every rank gets the same answer.
 
     Checks that depend on one machine (a model in its cache, a folder on its disk) can fail on one rank
-    only; without this collective the others would wait for it forever.
+    only; without this collective the others would wait for it forever. With several processes the
+    answer names the rank and the machine that found it.
     """
     problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p is not None), None)
+    found = None if problem is None else (dist.get_rank(), socket.gethostname(), problem)
+    dist.all_gather_object(problems, found)
+    first = next((p for p in problems if p is not None), None)
+    if first is None:
+        return None
+    where, host, text = first
+    return text if dist.get_world_size() == 1 else f"rank {where} on {host}: {text}"
 
 
 def stop_everywhere(problem: str, exit_code: int = 2) -> None:
@@ -75,4 +113,14 @@ def stop_everywhere(problem: str, exit_code: int = 2) -> None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    sys.exit(exit_code)
+
+
+def stop_before_joining(problem: str, exit_code: int = 2) -> None:
+    """Exit with ``exit_code`` without joining the group; the machine's first process (LOCAL_RANK 0) prints.
+
+    For problems every process of the machine finds by itself (``device_problem``), so none waits for another.
+    """
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
     sys.exit(exit_code)

@@ -5,15 +5,18 @@
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 -m helpers.finetune
                                                                      # the same command on each of 2 machines
     python -m helpers.finetune --checkpoint-dir ckpt --save-every 10 --resume   # continue after a kill
+    torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
-helpers.train.train_epoch. Rank 0 logs, evaluates and writes files; the last line it prints is JSON.
+helpers.train.train_epoch. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short
+summary (read it with helpers.finetune.last_json); --output-dir also gets metrics.json with every batch's loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -65,11 +68,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(same number of processes and options as the interrupted run)")
     parser.add_argument("--keep-pooler", action="store_true",
                         help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
+    parser.add_argument("--device", choices=distributed.DEVICE_CHOICES, default="auto",
+                        help="auto (default): the GPU numbered LOCAL_RANK where torch sees CUDA, else the CPU; cpu: "
+                             "the CPU over gloo even where there are GPUs (e.g. 2 processes on a machine with 1 GPU)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, "
+                             "cuDNN flags): on CUDA, a resumed run then ends bitwise like an uninterrupted one")
     return parser.parse_args(argv)
 
 
 def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_examples: int) -> str | None:
-    """The first reason this process cannot train, or None; checked before any model is loaded."""
+    """The first reason this process cannot train, or None; checked before any model is loaded.
+
+    A process without a device of its own cannot join the group: that problem comes first (see main).
+    """
+    problem = distributed.device_problem(args.device)
+    if problem:
+        return problem
     if args.global_batch_size < world_size:
         return (f"--global-batch-size {args.global_batch_size} over {world_size} processes leaves a per-rank batch "
                 f"of {args.global_batch_size // world_size}; it must be at least 1")
@@ -130,13 +145,49 @@ def log(*args) -> None:
         print(*args, flush=True)
 
 
+def use_deterministic_algorithms() -> None:
+    """Deterministic kernels only; an operation that has none raises instead of running.
+
+    On the CPU our training is deterministic anyway. On CUDA some kernels accumulate with atomics (the
+    order of additions varies) and cuBLAS needs a fixed workspace, set before its first use.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def summary(result: dict) -> dict:
+    """``result`` without the per-batch losses: what rank 0 prints as its last line."""
+    return result | {"history": [{k: v for k, v in row.items() if k != "batch_losses"} for row in result["history"]]}
+
+
+def last_json(text: str) -> dict:
+    """The last line of ``text`` that is a JSON object, e.g. the summary in a run's output; lines after it
+    (warnings printed at exit) are ignored."""
+    for line in reversed(text.splitlines()):
+        if line.lstrip().startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    raise ValueError(f"no line of this output is a JSON object ({len(text.splitlines())} lines); did the run "
+                     f"fail before its summary? Its last line: {(text.strip().splitlines() or [''])[-1]!r}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.deterministic:
+        use_deterministic_algorithms()  # before anything runs on a GPU
     world_size, rank = distributed.world_size(), distributed.rank()
     train_examples = load_split("train")[:args.train_examples]
     problem = find_problem(args, world_size, rank, len(train_examples))
+    if distributed.device_problem(args.device):  # no GPU for this process: it cannot join, and neither do the others
+        distributed.stop_before_joining(problem)
 
-    device = distributed.device_for_this_process()
+    device = distributed.device_for_this_process(args.device)
     distributed.init_process_group(device)
     problem = distributed.agree_on_problem(problem)
     if problem:
@@ -144,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     per_rank_batch = args.global_batch_size // world_size
     log(f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; batch {per_rank_batch} "
-        f"per rank x {world_size} = global batch {args.global_batch_size}")
+        f"per rank x {world_size} = global batch {args.global_batch_size}"
+        + ("; deterministic algorithms only" if args.deterministic else ""))
 
     tokenizer = load_tokenizer(args.model)
     sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -205,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
             save_checkpoint(args.output_dir / "model", model)  # load with helpers.checkpoint.load_checkpoint
-        print(json.dumps(result), flush=True)
+        print(json.dumps(summary(result)), flush=True)  # short; metrics.json has every batch's loss
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()
     return result

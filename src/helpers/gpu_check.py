@@ -1,5 +1,13 @@
-"""``make gpu-check``: on a CUDA machine, run every notebook with its GPU cells active and check the memory
-predictions against what CUDA's allocator reports for real BERT-base-size steps. One report; exit 1 on failure.
+"""``make gpu-check``: on a CUDA machine, check every GPU claim of the series. One report, as text and as JSON
+(``--json FILE``); exit 1 on any failure.
+
+- memory: the predictions against what CUDA's allocator reports for real BERT-base-size steps;
+- one GPU: a run killed mid-epoch and resumed with ``--deterministic`` ends bitwise like an uninterrupted one;
+  what notebook 06's two-process run meets there (refused, then ``--device cpu`` over gloo);
+- two or more GPUs: DDP over NCCL with 2 processes against one process, bitwise equal weights on all ranks,
+  and kill-and-resume under torchrun with ``--deterministic``, bitwise;
+- every notebook and solution executed with its GPU cells active, in a scratch copy; a failing cell is
+  named by notebook and cell index.
 
 Without CUDA it says so in one line and exits 0: there is nothing to check on such a machine.
 """
@@ -7,6 +15,7 @@ Without CUDA it says so in one line and exits 0: there is nothing to check on su
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -97,56 +106,117 @@ def series_notebooks() -> list[Path]:
     return sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
 
 
-def execute_copy(notebook: Path, target: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def execute_copy(notebook: Path, target: Path, env: dict | None = None,
+                 allow_errors: bool = False) -> subprocess.CompletedProcess:
     """Execute a copy of ``notebook`` at ``target``, in target's folder, as ``make notebooks`` does (``env`` added).
 
-    It stops at the first error in a cell not tagged raises-exception; the committed notebook is untouched.
+    It stops at the first error in a cell not tagged raises-exception, unless ``allow_errors``: then every
+    cell runs and the errors stay in the copy's outputs. The committed notebook is untouched.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(notebook, target)
     return subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                           "--inplace", "--ExecutePreprocessor.timeout=1200", str(target)],
+                           "--inplace", "--ExecutePreprocessor.timeout=1200", str(target)]
+                          + (["--allow-errors"] if allow_errors else []),
                           cwd=target.parent, env=os.environ | NOTEBOOK_ENV | (env or {}), capture_output=True, text=True)
 
 
+def first_failing_cell(executed: Path) -> str | None:
+    """``cell N: Error: message`` for the first cell of an executed notebook that raised without being tagged
+    raises-exception (N counts every cell from 0, as nbformat does), or None."""
+    cells = json.loads(executed.read_text(encoding="utf-8"))["cells"]
+    for index, cell in enumerate(cells):
+        if cell["cell_type"] != "code" or "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            continue
+        for output in cell.get("outputs", []):
+            if output["output_type"] == "error":
+                return f"cell {index}: {output['ename']}: {output['evalue']}".splitlines()[0][:300]
+    return None
+
+
 def execute_notebooks(scratch: Path) -> list[tuple[bool, str]]:
-    """Execute every notebook into ``scratch`` (the committed notebooks are left untouched)."""
+    """Execute every notebook into ``scratch`` (the committed notebooks are left untouched), every cell even
+    after an error, so that the report names the first failing cell."""
     results = []
     for notebook in series_notebooks():
-        run = execute_copy(notebook, scratch / notebook.relative_to(ROOT / "notebooks"))
-        last = (run.stderr.strip().splitlines() or [""])[-1]
-        results.append((run.returncode == 0, f"{'ok  ' if run.returncode == 0 else 'FAIL'} notebook "
-                                             f"{notebook.relative_to(ROOT)}" + ("" if run.returncode == 0 else f": {last}")))
+        target = scratch / notebook.relative_to(ROOT / "notebooks")
+        run = execute_copy(notebook, target, allow_errors=True)
+        failure = first_failing_cell(target) if run.returncode == 0 else (run.stderr.strip().splitlines() or [""])[-1]
+        results.append((failure is None, f"notebook {notebook.relative_to(ROOT)}" + (f": {failure}" if failure else "")))
     return results
+
+
+def run_checks(checks: dict[str, callable]) -> list[dict]:
+    """Run every check (section name -> function returning [(ok, line), ...]); a check that raises is a failure
+    with its exception, and the others still run."""
+    rows = []
+    for section, check in checks.items():
+        try:
+            results = check()
+        except Exception as error:  # the report must come out whatever one check does
+            results = [(False, f"raised {type(error).__name__}: {error}")]
+        rows += [{"section": section, "ok": bool(ok), "line": line} for ok, line in results]
+    return rows
+
+
+def report(rows: list[dict], machine: dict) -> tuple[str, dict]:
+    """The report as text and as JSON: the machine, then one line per check, then the verdict."""
+    failures = sum(not row["ok"] for row in rows)
+    verdict = f"gpu-check: {'FAILED' if failures else 'passed'} ({failures} failure(s) of {len(rows)} checks)"
+    lines = [f"gpu-check on {machine['gpus']} GPU(s): {', '.join(machine['names'])}; torch {machine['torch']}, "
+             f"CUDA {machine['cuda']}"]
+    lines += [f"{'ok  ' if row['ok'] else 'FAIL'} [{row['section']}] {row['line']}" for row in rows]
+    lines.append(verdict)
+    return "\n".join(lines), {"result": "failed" if failures else "passed", "failures": failures, "machine": machine,
+                              "checks": rows}
+
+
+def machine() -> dict:
+    count = torch.cuda.device_count()
+    return {"gpus": count, "names": [torch.cuda.get_device_name(i) for i in range(count)],
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+
+
+def gpu_checks(gpus: int, scratch: Path, notebooks: bool) -> dict[str, callable]:
+    """The checks for a machine with ``gpus`` CUDA GPUs, in the order they run."""
+    from helpers import training_checks as runs
+
+    checks = {"memory": check_memory}
+    if gpus == 1:
+        checks["resume"] = lambda: [runs.check_kill_and_resume(1, scratch / "resume-1", "--deterministic")]
+        checks["two processes on one GPU"] = runs.check_two_processes_on_one_gpu
+    else:
+        checks["ddp"] = lambda: [runs.check_ddp_equivalence(2)]
+        checks["resume"] = lambda: [runs.check_kill_and_resume(2, scratch / "resume-2", "--deterministic")]
+    if notebooks:
+        checks["notebooks"] = lambda: execute_notebooks(scratch / "notebooks")
+    return checks
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-notebooks", action="store_true", help="only check the memory predictions")
-    parser.add_argument("--keep", type=Path, help="execute the notebooks into this folder and keep it")
+    parser.add_argument("--skip-notebooks", action="store_true", help="do not execute the notebooks")
+    parser.add_argument("--keep", type=Path, help="run in this folder (executed notebooks, checkpoints, logs) and keep it")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON into FILE")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu-check: skipped, no CUDA device on this machine (nothing to check here)")
-        return 0
-    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-    print(f"gpu-check on {torch.cuda.device_count()} GPU(s): {names}; torch {torch.__version__}")
-    print(f"memory: prediction (helpers.memory, eager attention, fp32 Adam) vs torch.cuda.max_memory_allocated, "
-          f"tolerance {TOLERANCE:.0%}")
-    results = check_memory()
-    if not args.skip_notebooks:
-        if args.keep:
-            results += execute_notebooks(args.keep)
-        else:
-            with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-                results += execute_notebooks(Path(scratch))
-    for _, line in results:
+        line = "gpu-check: skipped, no CUDA device on this machine (nothing to check here)"
         print(line)
-    failures = sum(not ok for ok, _ in results)
-    print(f"gpu-check: {'FAILED' if failures else 'passed'} ({failures} failure(s) of {len(results)} checks)")
-    if failures:
+        if args.json:
+            args.json.write_text(json.dumps({"result": "skipped", "failures": 0, "reason": line}, indent=1) + "\n")
+        return 0
+    print(f"gpu-check on {torch.cuda.device_count()} GPU(s); one line per check follows when all have run", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as temporary:
+        scratch = args.keep or Path(temporary)
+        rows = run_checks(gpu_checks(torch.cuda.device_count(), scratch, not args.skip_notebooks))
+    text, data = report(rows, machine())
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+    if data["failures"] and any(row["section"] == "memory" and not row["ok"] for row in rows):
         print("A memory gap beyond the tolerance means the model misses something this GPU keeps: compare "
               "torch.cuda.memory_summary() with the predicted categories (notebook 05).")
-    return 1 if failures else 0
+    return 1 if data["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -75,19 +75,57 @@ def resolve_model(model: str | None = None) -> ModelChoice:
 def _tokenizer_config(name: str, source: str) -> dict:
     from transformers.utils import cached_file
 
-    try:
-        cached_file(source, "config.json")  # every model has one, so this raises when the model is not found
-        path = cached_file(source, "tokenizer_config.json", _raise_exceptions_for_missing_entries=False)
-    except (OSError, ValueError) as error:  # ValueError: a string that is neither a path nor a valid hub id
-        raise ModelNotAvailableError(
-            f"Model {name!r} is not available here: it is not a local directory, not in the Hugging Face "
-            f"cache, and the hub could not be reached ({type(error).__name__}). Download it once on a machine "
-            f"with internet access (it is then cached), or pass a local directory; or unset {ENV_VAR} to use "
-            f"the bundled offline model {DEFAULT_MODEL!r}."
-        ) from None
+    if not Path(source).is_dir() and _in_hub_cache(source) is None:
+        problem = _hub_problem(source)
+        if problem:
+            raise ModelNotAvailableError(
+                f"Model {name!r} is not available here: {problem}. Download it once on a machine with internet "
+                f"access (it is then cached), or pass a local directory; or unset {ENV_VAR} to use the bundled "
+                f"offline model {DEFAULT_MODEL!r}.")
+    path = cached_file(source, "tokenizer_config.json", _raise_exceptions_for_missing_entries=False)
     if path is None:
         return {}
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _in_hub_cache(source: str) -> str | None:
+    """The cached config.json of hub model ``source``, or None; never touches the network."""
+    from transformers.utils import cached_file
+
+    try:  # every model has a config.json
+        return cached_file(source, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):  # ValueError: a string that is neither a path nor a valid hub id
+        return None
+
+
+def _hub_problem(source: str) -> str | None:
+    """Why hub model ``source``, not in the cache, cannot be downloaded (None: it can), from one request at most.
+
+    Downloading through huggingface_hub would retry a hub it cannot reach five times with back-off (about 25 s,
+    eleven warning lines per process); one request says the same at once, after which downloading it caches it.
+    """
+    from huggingface_hub import constants, get_session, hf_hub_url
+    from huggingface_hub.utils import HFValidationError, build_hf_headers, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return "it is not a local directory, and not a valid model id for the Hugging Face hub"
+    if constants.HF_HUB_OFFLINE:
+        return (f"it is not a local directory and not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and "
+                f"the hub is switched off here (HF_HUB_OFFLINE=1)")
+    try:
+        response = get_session().head(hf_hub_url(source, "config.json"), headers=build_hf_headers(),
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as error:  # connection refused, DNS failure, timeout, proxy, TLS: whatever the client raises
+        return (f"it is not a local directory, not in the Hugging Face cache, and the hub "
+                f"({constants.ENDPOINT}) could not be reached ({type(error).__name__})")
+    if response.status_code in (401, 403, 404):
+        return (f"the hub ({constants.ENDPOINT}) has no public model of that name (HTTP {response.status_code}; a "
+                f"private or gated model needs `hf auth login`)")
+    if response.status_code >= 400:
+        return f"the hub ({constants.ENDPOINT}) answered HTTP {response.status_code}"
+    return None
 
 
 def load_tokenizer(model: str | ModelChoice | None = None):

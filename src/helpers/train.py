@@ -10,6 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from helpers.checkpoint import Checkpoints, Progress, epoch_start_state, set_rng_state, set_sampler_epoch
+from helpers.distributed import rank
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -41,9 +42,10 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
     model.train()
     device = input_device(model)
     losses = []
-    # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs
+    # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs;
+    # under torchrun only rank 0 draws one (N processes would draw N bars over each other on one terminal line)
     for index, batch in enumerate(tqdm(loader, desc="train", leave=False,
-                                       disable=os.environ.get("TQDM_DISABLE") == "1")):
+                                       disable=os.environ.get("TQDM_DISABLE") == "1" or rank() != 0)):
         if index < skip:
             continue
         if index == skip and resume_rng is not None:
