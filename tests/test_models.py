@@ -1,6 +1,7 @@
 """Model choice: one setting selects the model, and the tokenizer gets the dictionary it was trained with."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,8 @@ def fake_hub_cache(cache, repo_id, tokenizer_config):
 def run_offline(code, cache, **env):
     """Run ``code`` in a fresh interpreter with the hub offline and ``cache`` as its cache."""
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "PATH": "/usr/bin:/bin"} | env
+    if "PYTHONPATH" in os.environ:  # a checkout's src/ given explicitly
+        env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -88,3 +91,21 @@ def test_a_missing_dictionary_names_the_model_and_the_package(monkeypatch):
             r"^Model 'tiny-japanese-bert' splits words with the MeCab dictionary 'unidic_lite', which is not "
             r"installed: `pip install unidic-lite`")):
         load_tokenizer()
+
+
+def test_offline_the_message_says_the_hub_is_switched_off(tmp_path):
+    code = "from helpers.models import resolve_model\nresolve_model()"
+    result = run_offline(code, tmp_path, BERT_MODEL="no-such-org/no-such-model")
+    assert (f"Model 'no-such-org/no-such-model' is not available here: it is not a local directory and not in the "
+            f"Hugging Face cache ({tmp_path}), and the hub is switched off here (HF_HUB_OFFLINE=1).") in result.stderr
+
+
+def test_an_unreachable_hub_fails_at_once_without_retries(tmp_path):
+    code = "from helpers.models import resolve_model\nresolve_model()"
+    # port 9 (discard) on loopback: nothing listens, the connection is refused at once
+    result = run_offline(code, tmp_path, BERT_MODEL="no-such-org/no-such-model", HF_HUB_OFFLINE="0",
+                         HF_ENDPOINT="http://127.0.0.1:9")
+    assert ("is not available here: it is not a local directory, not in the Hugging Face cache, and the hub "
+            "(http://127.0.0.1:9) could not be reached (ConnectError)") in result.stderr
+    # huggingface_hub's download retries a refused connection 5 times, sleeping 1+2+4+8+8 s and logging 11 lines
+    assert "Retry" not in result.stderr and "thrown while requesting" not in result.stderr

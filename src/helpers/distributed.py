@@ -90,17 +90,18 @@ def agree_on_problem(problem: str | None) -> str | None:
     """The first problem any rank found (lowest rank first), or None; every rank gets the same answer.
 
     Checks that depend on one machine (a model in its cache, a folder on its disk) can fail on one rank
-    only; without this collective the others would wait for it forever. With several processes the
-    answer names the rank and the machine that found it.
+    only; without this collective the others would wait for it forever. A problem that not every rank
+    found is named with the rank and the machine that found it.
     """
-    problems = [None] * dist.get_world_size()
-    found = None if problem is None else (dist.get_rank(), socket.gethostname(), problem)
-    dist.all_gather_object(problems, found)
-    first = next((p for p in problems if p is not None), None)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if problem is None else (socket.gethostname(), problem))
+    first = next(((where, report) for where, report in enumerate(found) if report is not None), None)
     if first is None:
         return None
-    where, host, text = first
-    return text if dist.get_world_size() == 1 else f"rank {where} on {host}: {text}"
+    where, (host, text) = first
+    if all(report is not None and report[1] == text for report in found):
+        return text
+    return f"rank {where} on {host}: {text}"
 
 
 def stop_everywhere(problem: str, exit_code: int = 2) -> None:

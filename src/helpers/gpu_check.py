@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,7 +156,8 @@ def run_checks(checks: dict[str, callable]) -> list[dict]:
             results = check()
         except Exception as error:  # the report must come out whatever one check does
             results = [(False, f"raised {type(error).__name__}: {error}")]
-        rows += [{"section": section, "ok": bool(ok), "line": line} for ok, line in results]
+        # the row carries ok: a line's own leading "ok  " or "FAIL" is dropped
+        rows += [{"section": section, "ok": bool(ok), "line": re.sub(r"^(ok  |FAIL) ", "", line)} for ok, line in results]
     return rows
 
 
