@@ -217,3 +217,26 @@ def test_deterministic_sets_every_switch(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+ONE_GPU_MAIN = ("import sys, torch\n"
+                "torch.cuda.is_available = lambda: True  # as on a machine with one GPU; the check stops before using it\n"
+                "torch.cuda.device_count = lambda: 1\n"
+                "from helpers.finetune import main\n"
+                "main(sys.argv[1:])\n")
+
+
+def test_two_processes_on_one_gpu_both_stop_before_joining_with_one_message():
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, "-c", ONE_GPU_MAIN, *SMALL], env=ENV | {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for rank in (0, 1)]
+    try:
+        outputs = [process.communicate(timeout=TIMEOUT) for process in processes]  # a hang fails here
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [2, 2]
+    (_, rank0_err), (_, rank1_err) = outputs
+    assert rank0_err.startswith("error: 2 processes on this machine but torch sees 1 CUDA GPU(s)") and rank1_err == ""
