@@ -58,10 +58,11 @@ tiny-model: $(STAMP)
 wheelhouse:
 	$(if $(filter cpu,$(TORCH)),$(PYTHON) -m pip download --quiet --no-deps --index-url $(TORCH_CPU_INDEX) -d wheelhouse $(TORCH_PIN))
 	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68" wheel
-# On a CUDA machine: execute every notebook (GPU cells active) into a scratch folder and check the memory
-# predictions against torch.cuda.max_memory_allocated. Without CUDA it prints one line and exits 0.
+# On a CUDA machine: memory predictions vs torch.cuda.max_memory_allocated, DDP over NCCL and kill-and-resume
+# (--deterministic, bitwise), every notebook executed (GPU cells active) into a scratch folder. One report, also
+# as JSON with GPU_CHECK_ARGS="--json gpu-check.json"; exit 1 on a failure. Without CUDA: one line, exit 0.
 gpu-check: $(STAMP)
-	$(NB_ENV) $(BIN)/python -m helpers.gpu_check
+	$(NB_ENV) $(BIN)/python -m helpers.gpu_check $(GPU_CHECK_ARGS)
 
 # Regenerate the README's per-GPU memory chart from the memory model.
 memory-chart: $(STAMP)

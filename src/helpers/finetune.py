@@ -148,8 +148,9 @@ def log(*args) -> None:
 def use_deterministic_algorithms() -> None:
     """Deterministic kernels only; an operation that has none raises instead of running.
 
-    On the CPU our training is deterministic anyway. On CUDA some kernels accumulate with atomics (the
-    order of additions varies) and cuBLAS needs a fixed workspace, set before its first use.
+    On the CPU our training is deterministic anyway (same weights with and without it). On CUDA some kernels
+    add partial sums in the order they finish (SDPA's memory-efficient backward), and cuBLAS needs a fixed
+    workspace, set before its first use. The switch is global: it stays on in the calling process.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
