@@ -151,3 +151,19 @@ def test_amp_emulation_keeps_autocast_dtypes_for_backward():
     assert (2 * 16 * hidden, torch.bfloat16) in kept   # a linear layer's input
     assert (hidden * hidden, torch.bfloat16) in kept   # a weight's autocast copy
     assert model.linear.weight.grad.dtype == torch.float32
+
+
+def test_gpu_check_report_states_each_gap_with_its_cause():
+    from helpers.gpu_check import CudaPeak, compare, gap_causes
+
+    gib = 2**30
+    ok, line = compare("1 GPU, memory-efficient, fp32, B=8, L=128", 2 * gib, int(2.05 * gib))
+    assert ok and line.startswith("ok ") and "gap +2.5%" in line
+    causes = gap_causes({"total": 2 * gib}, gib, CudaPeak(before=int(1.25 * gib), peak=int(2.4 * gib)),
+                        "memory-efficient", "math")
+    ok, line = compare("1 GPU", 2 * gib, int(2.4 * gib), causes)
+    assert not ok and "gap +20.0%" in line
+    assert "runs the math attention kernel; the prediction traced memory-efficient" in line
+    assert "+256 MiB held before the step" in line
+    assert gap_causes({"total": 2 * gib}, gib, CudaPeak(gib, 2 * gib), "flash", "cuDNN") == []
+    assert "not identified" in compare("1 GPU", 2 * gib, 3 * gib)[1]

@@ -60,7 +60,8 @@ def cuda_sdpa_kernel(dtype: torch.dtype = torch.float32, masked: bool = False) -
     Read in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: flash attention (and cuDNN attention,
     which recent PyTorch prefers on sm90/sm100) takes fp16/bf16 only, and flash takes no attention mask; the
     memory-efficient kernel takes fp32 and masks. All three keep the output and one fp32 log-sum-exp per query
-    for backward, never the L x L probabilities. transformers drops an all-ones mask before the call.
+    for backward, never the L x L probabilities (torch/_meta_registrations.py gives their shapes), so a GPU
+    that picks cuDNN where this says flash keeps the same bytes. transformers drops an all-ones mask first.
     """
     if dtype == torch.float32 or masked:
         return "memory-efficient"
