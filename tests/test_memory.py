@@ -21,7 +21,7 @@ def agreement(a: int, b: int) -> float:
 
 
 @pytest.mark.parametrize(("batch_size", "seq_len", "attention"),
-                         [(1, 512, "eager"), (4, 128, "eager"), (16, 64, "eager"), (8, 256, "sdpa"), (2, 512, "sdpa")])
+                         [(1, 512, "eager"), (4, 128, "eager"), (16, 64, "eager"), (8, 256, "sdpa")])
 def test_activation_formula_matches_the_tracker_for_bert_base_layers(batch_size, seq_len, attention):
     config = bert_base_config(num_hidden_layers=2)  # hidden 768, 12 heads, vocab 32000; layers are identical
     traced = trace_fake(config, batch_size, seq_len, attention=attention).after_forward["activations"]
