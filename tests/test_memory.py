@@ -12,7 +12,8 @@ from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from ddp_buckets_worker import measure_ddp
 from helpers.memory import activation_formula, parameter_bytes, per_device, trace_by_layers
-from helpers.memtrace import bert_base_config, build_model, bundled_config, trace_fake, trace_step
+from helpers.memtrace import (CudaLikeKernels, bert_base_config, build_model, bundled_config, cuda_sdpa_kernel,
+                               trace_fake, trace_step)
 
 
 def agreement(a: int, b: int) -> float:
@@ -20,7 +21,7 @@ def agreement(a: int, b: int) -> float:
 
 
 @pytest.mark.parametrize(("batch_size", "seq_len", "attention"),
-                         [(1, 512, "eager"), (4, 128, "eager"), (16, 64, "eager"), (8, 256, "efficient")])
+                         [(1, 512, "eager"), (4, 128, "eager"), (16, 64, "eager"), (8, 256, "sdpa")])
 def test_activation_formula_matches_the_tracker_for_bert_base_layers(batch_size, seq_len, attention):
     config = bert_base_config(num_hidden_layers=2)  # hidden 768, 12 heads, vocab 32000; layers are identical
     traced = trace_fake(config, batch_size, seq_len, attention=attention).after_forward["activations"]
@@ -29,9 +30,9 @@ def test_activation_formula_matches_the_tracker_for_bert_base_layers(batch_size,
 
 def test_activation_formula_knows_cpu_dropout_keeps_float_masks():
     config = bert_base_config(num_hidden_layers=2)
-    traced = trace_fake(config, 2, 128, cuda_dropout=False).after_forward["activations"]
-    assert agreement(activation_formula(config, 2, 128, mask_bytes=4), traced) < 1e-3
-    assert traced > trace_fake(config, 2, 128).after_forward["activations"]
+    traced = trace_fake(config, 2, 128, attention="eager", cuda_dropout=False).after_forward["activations"]
+    assert agreement(activation_formula(config, 2, 128, attention="eager", mask_bytes=4), traced) < 1e-3
+    assert traced > trace_fake(config, 2, 128, attention="eager").after_forward["activations"]
 
 
 def test_parameter_bytes_count_the_model():
@@ -49,8 +50,9 @@ def test_layer_extrapolation_matches_a_full_trace(batch_size, seq_len):
 def test_tracker_on_fake_tensors_equals_real_tensors():
     config = bundled_config()
     torch.manual_seed(0)
-    real = trace_step(build_model(config, device="cpu"), 4, 32, vocab_size=config.vocab_size)
-    assert trace_fake(config, 4, 32) == real
+    # eager: the fused CUDA kernels that trace_fake uses for sdpa have no CPU implementation to run for real
+    real = trace_step(build_model(config, attention="eager", device="cpu"), 4, 32, vocab_size=config.vocab_size)
+    assert trace_fake(config, 4, 32, attention="eager") == real
 
 
 def test_tracker_peak_matches_the_profiler_memory_timeline():
@@ -103,8 +105,9 @@ def test_dataparallel_gpu0_carries_the_optimizer_state_and_ddp_adds_buckets():
 def test_levers_lower_the_peak():
     config = bert_base_config()
     base = per_device(config, 32, 512)[0]
-    for lever in (dict(accumulation=2), dict(checkpointing=True), dict(amp=True), dict(attention="efficient")):
+    for lever in (dict(accumulation=2), dict(checkpointing=True), dict(amp=True)):
         assert per_device(config, 32, 512, **lever)[0]["total"] < base["total"], lever
+    assert per_device(config, 32, 512, attention="eager")[0]["total"] > base["total"]
 
 
 def test_bad_settings_name_the_parameter():
@@ -117,3 +120,50 @@ def test_bad_settings_name_the_parameter():
         trace_fake(config, 3, 64, accumulation=2)
     with pytest.raises(ValueError, match="attention='flash'"):
         trace_fake(config, 2, 64, attention="flash")
+
+
+def test_cuda_kernel_choice_follows_dtype_and_mask():
+    assert cuda_sdpa_kernel(torch.float32) == "memory-efficient"
+    assert cuda_sdpa_kernel(torch.bfloat16) == "flash"
+    assert cuda_sdpa_kernel(torch.bfloat16, masked=True) == "memory-efficient"
+
+
+def test_amp_emulation_keeps_autocast_dtypes_for_backward():
+    """Under CUDA autocast's rules: linear inputs and weight copies in bf16, softmax and LayerNorm in fp32,
+    1-byte dropout masks (read in aten/src/ATen/autocast_mode.cpp; checked here on real CPU tensors)."""
+    config = bundled_config()
+    torch.manual_seed(0)
+    model = build_model(config, attention="eager", device="cpu").train()
+    saved = []
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with CudaLikeKernels(byte_masks=True, amp_dtype=torch.bfloat16):
+            logits = model(input_ids)
+            loss = nn.functional.cross_entropy(logits, torch.tensor([0, 1]))
+    loss.backward()
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    kept = {(t.numel(), t.dtype) for t in saved}
+    probabilities = 2 * heads * 16 * 16
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert (probabilities, torch.float32) in kept    # softmax output
+    assert (probabilities, torch.bool) in kept       # attention dropout mask
+    assert (probabilities, torch.bfloat16) in kept   # probabilities cast for the matmul with V
+    assert (2 * 16 * hidden, torch.bfloat16) in kept   # a linear layer's input
+    assert (hidden * hidden, torch.bfloat16) in kept   # a weight's autocast copy
+    assert model.linear.weight.grad.dtype == torch.float32
+
+
+def test_gpu_check_report_states_each_gap_with_its_cause():
+    from helpers.gpu_check import CudaPeak, compare, gap_causes
+
+    gib = 2**30
+    ok, line = compare("1 GPU, memory-efficient, fp32, B=8, L=128", 2 * gib, int(2.05 * gib))
+    assert ok and line.startswith("ok ") and "gap +2.5%" in line
+    causes = gap_causes({"total": 2 * gib}, gib, CudaPeak(before=int(1.25 * gib), peak=int(2.4 * gib)),
+                        "memory-efficient", "math")
+    ok, line = compare("1 GPU", 2 * gib, int(2.4 * gib), causes)
+    assert not ok and "gap +20.0%" in line
+    assert "runs the math attention kernel; the prediction traced memory-efficient" in line
+    assert "+256 MiB held before the step" in line
+    assert gap_causes({"total": 2 * gib}, gib, CudaPeak(gib, 2 * gib), "flash", "cuDNN") == []
+    assert "not identified" in compare("1 GPU", 2 * gib, 3 * gib)[1]

@@ -7,24 +7,27 @@ highest point of its step, split by category.
 
 from __future__ import annotations
 
+import torch
+
 from helpers.memtrace import ORDER, StepMemory, trace_fake
 
 STRATEGIES = ("single", "dataparallel", "ddp")
 _traces: dict[tuple, StepMemory] = {}
 # trace_fake's defaults, so a question asked with and without them is recognised as the same one
-TRACE_DEFAULTS = {"attention": "eager", "checkpointing": False, "cuda_dropout": True, "accumulation": 1, "seed": 0}
+TRACE_DEFAULTS = {"attention": "sdpa", "checkpointing": False, "cuda_dropout": True, "amp_dtype": None,
+                  "accumulation": 1, "seed": 0}
 
 
-def activation_formula(config, batch_size: int, seq_len: int, *, attention: str = "eager",
+def activation_formula(config, batch_size: int, seq_len: int, *, attention: str = "sdpa",
                        mask_bytes: int = 1) -> int:
     """Bytes saved for backward by ``Net``'s forward in fp32 (what MemTracker files as activations).
 
     Per token and encoder layer (h hidden, I = 4h intermediate, A heads, L tokens, m bytes per dropout mask):
     16h for x, Q, K, V; 4h context; 4h + 4h LayerNorm-1 input and output; 4I + 4I GELU input and output;
     4h LayerNorm-2 input; 2 x m*h hidden-dropout masks; 16 for two LayerNorms' mean and 1/std. Eager attention
-    adds 4AL probabilities, 4AL probabilities after dropout and m*AL dropout mask; the memory-efficient kernel
-    keeps 4A log-sum-exp values and the 4L float form of the padding mask instead (plus 16 bytes per layer of
-    dropout seed). Outside the layers: the embeddings' LayerNorm input (4h) and dropout mask (m*h), the last
+    adds 4AL probabilities, 4AL probabilities after dropout and m*AL dropout mask; the fused kernel (sdpa)
+    keeps 4A log-sum-exp values instead (plus 16 bytes per layer of dropout seed and offset; a padded batch
+    would add its 4L float mask). Outside the layers: the embeddings' LayerNorm input (4h) and dropout mask (m*h), the last
     layer's output kept alive by the [CLS] slice (4h), and 8 bytes per token, per example, per position and once.
     """
     h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
@@ -33,7 +36,7 @@ def activation_formula(config, batch_size: int, seq_len: int, *, attention: str 
         per_token += (8 + mask_bytes) * heads * seq_len
         per_layer_extra = 0
     else:
-        per_token += 4 * heads + 4 * seq_len
+        per_token += 4 * heads
         per_layer_extra = 16
     tokens = batch_size * seq_len
     layers = config.num_hidden_layers * (tokens * per_token + per_layer_extra)
@@ -76,7 +79,7 @@ def parameter_bytes(config) -> int:
 
 
 def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single", gpus: int = 1,
-               accumulation: int = 1, checkpointing: bool = False, amp: bool = False, attention: str = "eager",
+               accumulation: int = 1, checkpointing: bool = False, amp: bool = False, attention: str = "sdpa",
                gradient_as_bucket_view: bool = False) -> list[dict[str, int]]:
     """Peak bytes per GPU of one step with global batch ``batch_size``, by category, one dict per GPU.
 
@@ -86,8 +89,9 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
       the activations of its B/N share and, at the end of backward, the replica's gradients — no Adam state.
     - ddp: every GPU runs a full copy at B/N with its own Adam state, plus gradient buckets of the trainable
       parameters' size; with ``gradient_as_bucket_view`` the gradients live in the buckets.
-    - amp (an assumption, not traced): weights, gradients and Adam state stay fp32; activations are saved in
-      16 bits (half the bytes) and autocast keeps a 16-bit copy of the weights (+2 bytes per parameter).
+    - amp: the step traced under CUDA autocast's rules with bf16 (``helpers.memtrace.CudaLikeKernels``):
+      weights, gradients and Adam state stay fp32; linear layers and attention save bf16 tensors and bf16
+      copies of their weights, while softmax, layer_norm and the loss keep fp32.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
@@ -95,11 +99,9 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
     if batch_size % gpus:
         raise ValueError(f"batch_size={batch_size} does not split evenly over gpus={gpus}")
     step = trace_by_layers(config, batch_size // gpus, seq_len, accumulation=accumulation,
-                           checkpointing=checkpointing, attention=attention)
+                           checkpointing=checkpointing, attention=attention,
+                           amp_dtype=torch.bfloat16 if amp else None)
     backward, optimizer = dict(step.backward_peak), dict(step.optimizer_peak)
-    if amp:
-        backward["activations"] //= 2
-        backward["weights"] += parameter_bytes(config) // 2
     if strategy == "single":
         return [_total(max(backward, optimizer, key=_sum))]
     if strategy == "dataparallel":
@@ -167,13 +169,13 @@ def plot_per_device(panels: dict[str, dict[str, list[dict[str, int]]]], limit_gi
 
 
 def memo_chart(path: str) -> None:
-    """Write the README's chart: the memo's setting (BERT-base v1, DataParallel on 2 GPUs) per GPU."""
+    """Write the README's chart: the memo's setting (BERT-base v1, DataParallel on 2 GPUs, eager attention)."""
     from helpers.memtrace import bert_base_config
 
     config = bert_base_config()
-    panels = {f"DataParallel, 2 GPUs, L={seq_len}": {f"B={batch}": per_device(config, batch, seq_len,
-                                                                            strategy="dataparallel", gpus=2)
-                                                     for batch in (16, 32, 64)}
+    panels = {f"predicted: DataParallel, 2 GPUs, eager, L={seq_len}":
+              {f"B={batch}": per_device(config, batch, seq_len, strategy="dataparallel", gpus=2, attention="eager")
+               for batch in (16, 32, 64)}
               for seq_len in (128, 512)}
     plot_per_device(panels).savefig(path, dpi=100)
 

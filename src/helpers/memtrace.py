@@ -22,7 +22,7 @@ from helpers.net import Net
 CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Gradient": "gradients", "Optstate": "optimizer",
               "Activation": "activations", "Temp": "temporaries", "Other": "temporaries"}
 ORDER = ("weights", "gradients", "optimizer", "activations", "temporaries")
-ATTENTION_KERNELS = ("eager", "efficient")
+ATTENTION_KERNELS = ("sdpa", "eager")
 
 
 class NetFromConfig(Net):
@@ -54,35 +54,84 @@ def bundled_config():
     return BertConfig.from_pretrained(bundled_model_dir())
 
 
+def cuda_sdpa_kernel(dtype: torch.dtype = torch.float32, masked: bool = False) -> str:
+    """The kernel ``scaled_dot_product_attention`` picks on an sm80+ CUDA GPU for BERT's training shapes.
+
+    Read in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: flash attention (and cuDNN attention,
+    which recent PyTorch prefers on sm90/sm100) takes fp16/bf16 only, and flash takes no attention mask; the
+    memory-efficient kernel takes fp32 and masks. All three keep the output and one fp32 log-sum-exp per query
+    for backward, never the L x L probabilities (torch/_meta_registrations.py gives their shapes), so a GPU
+    that picks cuDNN where this says flash keeps the same bytes. transformers drops an all-ones mask first.
+    """
+    if dtype == torch.float32 or masked:
+        return "memory-efficient"
+    return "flash"
+
+
+# What CUDA autocast does to the functions Net calls (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA lists):
+# linear, matmul and scaled_dot_product_attention run in the low-precision type; layer_norm, softmax,
+# log_softmax (inside cross_entropy) run in fp32; everything else (gelu, dropout, add) keeps its input's type.
+_LOWER_PRECISION = {nn.functional.linear, torch.matmul, nn.functional.scaled_dot_product_attention}
+_FP32 = {nn.functional.layer_norm, nn.functional.softmax, nn.functional.log_softmax, nn.functional.cross_entropy}
+
+
 class CudaLikeKernels(TorchFunctionMode):
     """Make a CPU trace keep what a CUDA step keeps for backward.
 
     Dropout: CPU dropout saves a float mask (4 bytes per element), CUDA's fused kernel a 1-byte mask;
-    ``torch.native_dropout`` is that fused form. Attention (``efficient=True``): route
-    ``scaled_dot_product_attention`` to the memory-efficient kernel CUDA picks for fp32 training, which keeps
-    a log-sum-exp per query instead of the L x L probabilities.
+    ``torch.native_dropout`` is that fused form. Attention (``fused_attention=True``): route
+    ``scaled_dot_product_attention`` to the kernel CUDA picks (``cuda_sdpa_kernel``); its meta registration
+    (torch/_meta_registrations.py) gives the exact shapes it keeps. ``amp_dtype``: cast as CUDA autocast does,
+    including its cache of the parameters' low-precision copies, which lives until the ``with`` block ends.
     """
 
-    def __init__(self, byte_masks: bool = True, efficient_attention: bool = False):
+    def __init__(self, byte_masks: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None):
         super().__init__()
         self.byte_masks = byte_masks
-        self.efficient_attention = efficient_attention
+        self.fused_attention = fused_attention
+        self.amp_dtype = amp_dtype
+        self._casts = {}
+
+    def __exit__(self, *exc):
+        self._casts.clear()
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.amp_dtype is not None:
+            if func in _LOWER_PRECISION:
+                args, kwargs = self._cast_all(args, kwargs, self.amp_dtype)
+            elif func in _FP32 and kwargs.get("dtype") is None:
+                args, kwargs = self._cast_all(args, kwargs, torch.float32)
         if func is nn.functional.dropout and self.byte_masks:
             return self.dropout(*args, **kwargs)
-        if func is nn.functional.scaled_dot_product_attention and self.efficient_attention:
-            return self.efficient(*args, **kwargs)
+        if func is nn.functional.scaled_dot_product_attention and self.fused_attention:
+            return self.fused(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _cast_all(self, args, kwargs, dtype):
+        return (tuple(self._cast(arg, dtype) for arg in args),
+                {key: self._cast(value, dtype) for key, value in kwargs.items()})
+
+    def _cast(self, value, dtype):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype):
+            return value
+        if value.is_leaf and value.requires_grad:  # a parameter: autocast casts it once per autocast block
+            if id(value) not in self._casts:
+                self._casts[id(value)] = value.to(dtype)
+            return self._casts[id(value)]
+        return value.to(dtype)
 
     @staticmethod
     def dropout(input, p=0.5, training=True, inplace=False):
         return torch.native_dropout(input, p, True)[0] if training and p > 0 else input
 
     @staticmethod
-    def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        if cuda_sdpa_kernel(query.dtype, attn_mask is not None) == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as aten's convert_boolean_attn_mask
             bias = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
             attn_mask = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -114,11 +163,15 @@ def by_category(snapshot: dict) -> dict[str, int]:
 
 
 def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
-               cuda_dropout: bool = True, efficient_attention: bool = False, seed: int = 0) -> StepMemory:
+               cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
+               seed: int = 0) -> StepMemory:
     """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
     ``batch_size // accumulation`` examples each add their gradients before the single optimizer step.
+    The batch has no padding: its attention mask is all ones, which transformers drops before attention on
+    real tensors, so none is passed (fake tensors hide the values, and transformers would keep the mask).
+    With ``amp_dtype`` the forward and the loss run under (emulated) CUDA autocast, backward outside it.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -130,19 +183,19 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     def batch(size, length):
         return (torch.randint(0, vocab_size, (size, length), generator=generator),
-                torch.ones(size, length, dtype=torch.long), torch.randint(0, 2, (size,), generator=generator))
+                torch.randint(0, 2, (size,), generator=generator))
 
     # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
-    # a gradient (not the pooler, which Net does not use).
-    kernels = CudaLikeKernels(cuda_dropout, efficient_attention)
-    input_ids, attention_mask, labels = batch(1, 8)
+    # a gradient (not the pooler, which Net's loss does not use).
+    kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype)
+    input_ids, labels = batch(1, 8)
     with kernels:
-        loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels)
+        loss = nn.functional.cross_entropy(model(input_ids), labels)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
-    input_ids, attention_mask, labels = batch(batch_size // accumulation, seq_len)
+    input_ids, labels = batch(batch_size // accumulation, seq_len)
 
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
@@ -152,7 +205,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
         with tracker:
             for step in range(accumulation):
                 with kernels:
-                    loss = nn.functional.cross_entropy(model(input_ids, attention_mask), labels) / accumulation
+                    loss = nn.functional.cross_entropy(model(input_ids), labels) / accumulation
                 if step == 0:
                     after_forward = by_category(tracker.get_tracker_snapshot("current"))
                 loss.backward()
@@ -170,36 +223,36 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     return StepMemory(after_forward, backward_peak, by_category(tracker.get_tracker_snapshot("peak")))
 
 
-def build_model(config, attention: str = "eager", checkpointing: bool = False, cuda_dropout: bool = True,
-                device: str = "meta") -> NetFromConfig:
+def build_model(config, attention: str = "sdpa", checkpointing: bool = False, cuda_dropout: bool = True,
+                amp_dtype: torch.dtype | None = None, device: str = "meta") -> NetFromConfig:
     """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
 
-    ``attention="eager"`` computes softmax(QK^T) in Python and keeps the probabilities for backward;
-    ``"efficient"`` calls ``scaled_dot_product_attention`` (traced as CUDA's memory-efficient kernel).
-    ``checkpointing`` recomputes each encoder layer's forward during backward instead of keeping it; the
-    recomputation runs with the same ``CudaLikeKernels`` as the forward, so both keep the same tensors.
+    ``attention="sdpa"`` (transformers' default) calls ``scaled_dot_product_attention``, traced as the kernel
+    CUDA picks (``cuda_sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T) in Python and
+    keeps the probabilities for backward. ``checkpointing`` recomputes each encoder layer's forward during
+    backward instead of keeping it; the recomputation runs with the same ``CudaLikeKernels`` as the forward.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
-    config = config.__class__(**(config.to_dict() | {"attn_implementation": "eager" if attention == "eager" else "sdpa"}))
+    config = config.__class__(**(config.to_dict() | {"attn_implementation": attention}))
     with torch.device(device):
         model = NetFromConfig(config)
     if checkpointing:
         def contexts():
-            return contextlib.nullcontext(), CudaLikeKernels(cuda_dropout, attention == "efficient")
+            return contextlib.nullcontext(), CudaLikeKernels(cuda_dropout, attention == "sdpa", amp_dtype)
 
         model.bert.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
     return model
 
 
-def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "eager", checkpointing: bool = False,
-               cuda_dropout: bool = True, **options) -> StepMemory:
+def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa", checkpointing: bool = False,
+               cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None, **options) -> StepMemory:
     """``trace_step`` on fake tensors: the model is built on ``meta`` (no memory) and given fake storage
     with ``to_empty`` inside ``FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model = build_model(config, attention, checkpointing, cuda_dropout)
+    model = build_model(config, attention, checkpointing, cuda_dropout, amp_dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size,
-                          cuda_dropout=cuda_dropout, efficient_attention=attention == "efficient", **options)
+        return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size, cuda_dropout=cuda_dropout,
+                          fused_attention=attention == "sdpa", amp_dtype=amp_dtype, **options)
