@@ -176,7 +176,8 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE
                     "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 FILES = bundled_data_dir(EXAMPLE_DATASET)
 OWN = ["--train-file", str(FILES / "train.csv"), "--validation-file", str(FILES / "validation.csv"),
-       "--test-file", str(FILES / "test.csv"), "--train-examples", "32", "--val-examples", "16", "--global-batch-size", "16", "--epochs", "1"]
+       "--test-file", str(FILES / "test.csv"), "--train-examples", "32", "--val-examples", "16",
+       "--global-batch-size", "16", "--epochs", "1"]
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -201,7 +201,8 @@ def _json_records(path: Path, text: str) -> list[tuple[int, str, str]]:
         except json.JSONDecodeError as error:
             raise DataFileError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
         if not isinstance(record, dict):
-            raise DataFileError(f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
+            raise DataFileError(
+                f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
         missing = [key for key in ("text", "label") if key not in record]
         if missing:
             raise DataFileError(f"{where}: missing key(s) {missing}; the object has {list(record)}")

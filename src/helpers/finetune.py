@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
 
-    checkpoints = Checkpoints(args.checkpoint_dir, every=args.save_every, labels=data.labels) if args.checkpoint_dir else None
+    checkpoints = (Checkpoints(args.checkpoint_dir, every=args.save_every, labels=data.labels)
+                   if args.checkpoint_dir else None)
     progress, resume_rng = Progress(), None
     if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
         progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-            save_checkpoint(args.output_dir / "model", model, labels=data.labels)  # load: helpers.predict.load_classifier
+            # load with helpers.predict.load_classifier (labels too) or helpers.checkpoint.load_checkpoint
+            save_checkpoint(args.output_dir / "model", model, labels=data.labels)
         print(json.dumps(result), flush=True)
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()
