@@ -1,4 +1,4 @@
-"""load_examples: a user's own CSV/TSV, and clear errors that name the file and line."""
+"""load_examples: a user's own CSV/TSV, and clear errors that name the file and line (more in test_own_data.py)."""
 
 import pytest
 
@@ -36,7 +36,8 @@ def test_cp932_file_is_read_when_asked(tmp_path):
         ("unknown.tsv", "text\tlabel\n良い\tpositive\n悪い\tneutral\n", r"unknown\.tsv, line 3: unknown label 'neutral'"),
         ("short.tsv", "text\tlabel\n良い\tpositive\n悪い\n", r"short\.tsv, line 3: 1 field\(s\), but the header has 2"),
         ("notext.csv", "text,label\n,positive\n", r"notext\.csv, line 2: the text is empty"),
-        ("data.txt", "text\tlabel\n", r"data\.txt: unsupported file type '\.txt'"),
+        ("data.xlsx", "text\tlabel\n", r"data\.xlsx: unsupported file type '\.xlsx'; use \.csv, \.tsv, \.txt or \.jsonl; "
+                                        r"in Excel, save it as \"CSV UTF-8\""),
     ],
 )
 def test_bad_files_name_the_file_and_line(tmp_path, name, content, message):

@@ -28,3 +28,24 @@ def test_predictions_match_the_logits_whatever_the_batch_size():
 def test_one_string_instead_of_a_list_is_refused():
     with pytest.raises(TypeError, match=r"^predict: texts must be a list of sentences, got one str; write \['良い'\]"):
         predict(Net(), load_tokenizer(), "良い")
+
+
+def test_load_classifier_takes_label_names_from_the_checkpoint_and_old_ones_get_the_bundled_labels(tmp_path):
+    from helpers.checkpoint import Checkpoints, Progress, read_labels, save_checkpoint
+    from helpers.predict import load_classifier
+
+    torch.manual_seed(0)
+    three = Net(num_labels=3, pooler=False)
+    save_checkpoint(tmp_path / "three", three, labels=("犬", "猫", "鳥"))
+    net, labels = load_classifier(tmp_path / "three")
+    assert labels == ("犬", "猫", "鳥") and net.linear.out_features == 3 and net.bert.pooler is None
+    assert torch.equal(net.linear.weight, three.linear.weight)
+    assert {label for label, _ in predict(net, load_tokenizer(), ["にゃあ"], labels=labels)} <= set(labels)
+
+    save_checkpoint(tmp_path / "old", Net())  # saved without names, as every checkpoint before they were saved
+    assert read_labels(tmp_path / "old") is None
+    net, labels = load_classifier(tmp_path / "old")
+    assert labels == LABELS and net.linear.out_features == 2 and net.bert.pooler is not None
+
+    Checkpoints(tmp_path / "run", labels=("a", "b", "c")).save(three, None, None, Progress(step=1))
+    assert read_labels(tmp_path / "run" / "step-000001") == ("a", "b", "c")

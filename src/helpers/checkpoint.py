@@ -4,11 +4,13 @@ A checkpoint is a folder holding two files: ``model.safetensors`` (the unwrapped
 tensors) and ``state.pt`` (optimizer and scheduler state, where the run stands, the random number
 generators), which is only ever read with ``torch.load(..., weights_only=True)``: it can hold tensors,
 numbers, strings, lists and dicts, never code. A folder of checkpoints has a text file ``latest`` naming the
-newest one and ``best`` naming the one with the lowest validation loss.
+newest one and ``best`` naming the one with the lowest validation loss. A classifier trained on your own
+files also carries its label names, in index order, in ``model.safetensors``'s metadata (``read_labels``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -144,11 +146,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None, *,
-                    progress: Progress | None = None, per_process: list | None = None) -> Path:
+                    progress: Progress | None = None, per_process: list | None = None,
+                    labels: tuple[str, ...] | None = None) -> Path:
     """Write the checkpoint folder ``path`` atomically: it appears complete or not at all.
 
     The files are written into a temporary folder next to it, flushed to disk, and renamed into place.
-    ``per_process`` holds what differs between processes (their random number generators).
+    ``per_process`` holds what differs between processes (their random number generators); ``labels``, the
+    names of the model's outputs in index order, go into the weights file's metadata.
     """
     path = Path(path)
     weights = {key: value.detach().cpu().contiguous() for key, value in unwrap(model).state_dict().items()}
@@ -159,7 +163,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
         "per_process": per_process or [],
     }
     temporary = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent))
-    save_file(weights, temporary / MODEL_FILE)
+    metadata = {"labels": json.dumps(list(labels), ensure_ascii=False)} if labels else None
+    save_file(weights, temporary / MODEL_FILE, metadata=metadata)
     torch.save(state, temporary / STATE_FILE)
     for name in (MODEL_FILE, STATE_FILE):
         fsync_file(temporary / name)
@@ -200,6 +205,24 @@ def read_state(file: Path) -> dict:
     except (EOFError, RuntimeError, OSError) as error:
         raise CheckpointError(
             f"{file}: not a readable torch.save file, it may be truncated or damaged ({error})") from None
+
+
+def read_labels(path: str | Path) -> tuple[str, ...] | None:
+    """The label names saved with the model in checkpoint folder ``path``, or None if it was saved without
+    them (as every checkpoint from before names were saved: those models use the bundled labels)."""
+    file = Path(path) / MODEL_FILE
+    read_weights(file)  # a missing or damaged file: its CheckpointError
+    with safe_open(file, "pt") as weights:
+        saved = (weights.metadata() or {}).get("labels")
+    if saved is None:
+        return None
+    try:
+        labels = json.loads(saved)
+    except json.JSONDecodeError:
+        labels = None
+    if not isinstance(labels, list) or not all(isinstance(name, str) for name in labels):
+        raise CheckpointError(f"{file}: its \"labels\" metadata is not a JSON list of names: {saved[:80]!r}")
+    return tuple(labels)
 
 
 def check_weights(file: Path, weights: dict, model: nn.Module) -> None:
@@ -270,12 +293,13 @@ class Checkpoints:
     With a process group (DDP), rank 0 writes, every process reads, and each gets its own random state back.
     """
 
-    def __init__(self, directory: str | Path, every: int = 0, keep: int = 3):
+    def __init__(self, directory: str | Path, every: int = 0, keep: int = 3, labels: tuple[str, ...] | None = None):
         if every < 0 or keep < 1:
             raise ValueError(f"Checkpoints: every must be >= 0 and keep >= 1, got every={every}, keep={keep}")
         self.directory = Path(directory)
         self.every = every
         self.keep = keep
+        self.labels = labels  # saved with every checkpoint's weights (see read_labels)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None when the run has saved none yet."""
@@ -305,7 +329,7 @@ class Checkpoints:
             for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
             path = save_checkpoint(self.directory / f"step-{progress.step:06d}", model, optimizer, scheduler,
-                                   progress=progress, per_process=per_process)
+                                   progress=progress, per_process=per_process, labels=self.labels)
             write_text_atomic(self.directory / "latest", path.name + "\n")
             if best:
                 write_text_atomic(self.directory / "best", path.name + "\n")

@@ -6,6 +6,7 @@
                                                                      # the same command on each of 2 machines
     python -m helpers.finetune --checkpoint-dir ckpt --save-every 10 --resume   # continue after a kill
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
+    python -m helpers.finetune --train-file F --validation-file G --test-file H --output-dir out  # your own data
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
 helpers.train.train_epoch. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short
@@ -28,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
-from helpers import distributed
+from helpers import distributed, own_data
 from helpers.checkpoint import CheckpointError, Checkpoints, Progress, save_checkpoint
-from helpers.data import PadToLongest, load_split
+from helpers.data import PadToLongest
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
 from helpers.net import Net
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, "
                              "cuDNN flags): on CUDA, a resumed run then ends bitwise like an uninterrupted one")
+    own_data.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -183,8 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.deterministic:
         use_deterministic_algorithms()  # before anything runs on a GPU
     world_size, rank = distributed.world_size(), distributed.rank()
-    train_examples = load_split("train")[:args.train_examples]
-    problem = find_problem(args, world_size, rank, len(train_examples))
+    data, problem = own_data.load(args)  # the bundled data, or --train-file and friends
+    train_examples = data.train[:args.train_examples] if data else []
+    problem = distributed.device_problem(args.device) or problem or find_problem(args, world_size, rank,
+                                                                               len(train_examples))
     if distributed.device_problem(args.device):  # no GPU for this process: it cannot join, and neither do the others
         distributed.stop_before_joining(problem)
 
@@ -203,8 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
                               collate_fn=PadToLongest(tokenizer))
-    val_loader = DataLoader(load_split("validation")[:args.val_examples], batch_size=64,
-                            collate_fn=PadToLongest(tokenizer))
+    val_loader = DataLoader(data.validation[:args.val_examples], batch_size=64, collate_fn=PadToLongest(tokenizer))
+    if args.train_file:
+        log(own_data.describe(data, tokenizer))
     equivalence = None
     if args.check_equivalence:
         equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_comparison(equivalence)
 
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
-    net = Net(args.model, pooler=args.keep_pooler).to(device)
+    net = Net(args.model, num_labels=len(data.labels), pooler=args.keep_pooler).to(device)
     rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
     body_lr = rule_body_lr if args.body_lr is None else args.body_lr
     head_lr = rule_head_lr if args.head_lr is None else args.head_lr
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
 
-    checkpoints = Checkpoints(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir else None
+    checkpoints = (Checkpoints(args.checkpoint_dir, every=args.save_every, labels=data.labels)
+                   if args.checkpoint_dir else None)
     progress, resume_rng = Progress(), None
     if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
         progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
@@ -254,10 +260,17 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
               "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
               "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
+    if args.train_file:
+        result["labels"] = list(data.labels)
+    if rank == 0 and data.test:
+        test = evaluate(unwrap(model), DataLoader(data.test, batch_size=64, collate_fn=PadToLongest(tokenizer)))
+        result |= {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
+        log(f"test: loss {test['loss']:.2f}  accuracy {test['accuracy']:.2f}")
     if rank == 0:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-            save_checkpoint(args.output_dir / "model", model)  # load with helpers.checkpoint.load_checkpoint
+            # load with helpers.predict.load_classifier (labels too) or helpers.checkpoint.load_checkpoint
+            save_checkpoint(args.output_dir / "model", model, labels=data.labels)
         print(json.dumps(summary(result)), flush=True)  # short; metrics.json has every batch's loss
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors import safe_open
 from torch import nn
 
+from helpers.checkpoint import MODEL_FILE, load_checkpoint, read_labels
 from helpers.data import LABELS
+from helpers.net import Net
 from helpers.train import input_device, to_device
 
 
@@ -29,3 +34,19 @@ def predict(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 32,
         probabilities, ids = logits.softmax(dim=-1).max(dim=-1)
         predictions += [(labels[i], p) for i, p in zip(ids.tolist(), probabilities.tolist())]
     return predictions
+
+
+def load_classifier(path: str | Path, model: str | None = None) -> tuple[Net, tuple[str, ...]]:
+    """The ``Net`` saved in checkpoint folder ``path`` (by ``python -m helpers.finetune --output-dir``) and its
+    label names, for ``predict(net, tokenizer, texts, labels=labels)``.
+
+    The head is sized from the saved names; a checkpoint saved without names (as before they were saved)
+    gets the bundled LABELS. ``model`` names the BERT body it was trained from (default: as ``Net``).
+    """
+    path = Path(path)
+    labels = read_labels(path) or LABELS
+    with safe_open(path / MODEL_FILE, "pt") as weights:
+        pooler = any(key.startswith("bert.pooler.") for key in weights.keys())
+    net = Net(model, num_labels=len(labels), pooler=pooler)
+    load_checkpoint(path, net)
+    return net, labels
