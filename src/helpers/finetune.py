@@ -1,4 +1,4 @@
-"""Fine-tune Net with DistributedDataParallel: notebook 02's training, one process per device.
+"""Fine-tune Net with DistributedDataParallel (or FSDP2: --strategy fsdp): notebook 02's training, one process per device.
 
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune     # 2 processes on this machine
     python -m helpers.finetune                                       # one plain process
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
-from helpers import distributed
+from helpers import distributed, fsdp
 from helpers.checkpoint import CheckpointError, Checkpoints, Progress, save_checkpoint
 from helpers.data import PadToLongest, load_split
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
@@ -63,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue exactly from the latest checkpoint in --checkpoint-dir, if there is one "
                              "(same number of processes and options as the interrupted run)")
+    parser.add_argument("--strategy", choices=fsdp.STRATEGIES, default="ddp",
+                        help="ddp: a full copy of the model on every process (default); fsdp: each process holds "
+                             "1/N of the weights, gradients and Adam state (FSDP2 fully_shard, notebook 08)")
     parser.add_argument("--keep-pooler", action="store_true",
                         help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
     return parser.parse_args(argv)
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     world_size, rank = distributed.world_size(), distributed.rank()
     train_examples = load_split("train")[:args.train_examples]
     problem = find_problem(args, world_size, rank, len(train_examples))
+    problem = problem or (fsdp.strategy_problem(args.checkpoint_dir, args.strategy) if args.resume else None)
 
     device = distributed.device_for_this_process()
     distributed.init_process_group(device)
@@ -154,12 +157,14 @@ def main(argv: list[str] | None = None) -> dict:
                             collate_fn=PadToLongest(tokenizer))
     equivalence = None
     if args.check_equivalence:
-        equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
-                                               PadToLongest(tokenizer), device, args.seed)
-        print_comparison(equivalence)
+        compare, show = ((fsdp.compare_with_one_process, fsdp.print_comparison) if args.strategy == "fsdp"
+                         else (compare_with_one_process, print_comparison))
+        equivalence = compare(args.model, train_examples[:args.global_batch_size],
+                              PadToLongest(tokenizer), device, args.seed)
+        show(equivalence)
 
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
-    net = Net(args.model, pooler=args.keep_pooler).to(device)
+    net = fsdp.prepare(Net(args.model, pooler=args.keep_pooler).to(device), args.strategy)  # FSDP: before the optimizer
     rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
     body_lr = rule_body_lr if args.body_lr is None else args.body_lr
     head_lr = rule_head_lr if args.head_lr is None else args.head_lr
@@ -168,10 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     total_steps = args.epochs * len(train_loader)
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
                                                 num_training_steps=total_steps)
-    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    model = fsdp.wrap(net, args.strategy, device)
     torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
 
-    checkpoints = Checkpoints(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir else None
+    checkpoints = fsdp.checkpoints_for(args.strategy, args.checkpoint_dir, args.save_every) if args.checkpoint_dir else None
     progress, resume_rng = Progress(), None
     if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
         progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.all_reduce(train_loss)
         row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds,
                "batch_losses": batch_losses}  # this process's, for plots
-        if rank == 0:  # the other ranks wait at the barrier; evaluating the plain model needs no collective
+        if rank == 0 or fsdp.is_sharded(model):  # DDP: the others wait at the barrier; a sharded forward needs all
             val = evaluate(unwrap(model), val_loader)
             row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
             log(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
@@ -197,14 +202,15 @@ def main(argv: list[str] | None = None) -> dict:
     history = progress.history
 
     digests = [None] * world_size
-    dist.all_gather_object(digests, weights_digest(unwrap(model)))
+    weights = fsdp.FullWeights(unwrap(model))  # a sharded model's full weights, gathered on every rank
+    dist.all_gather_object(digests, weights_digest(weights))
     result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
               "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
               "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
     if rank == 0:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-            save_checkpoint(args.output_dir / "model", model)  # load with helpers.checkpoint.load_checkpoint
+            save_checkpoint(args.output_dir / "model", weights)  # load with helpers.checkpoint.load_checkpoint
         print(json.dumps(result), flush=True)
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()
