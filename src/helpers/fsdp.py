@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,8 +105,9 @@ def strategy_problem(directory: Path | None, strategy: str) -> str | None:
     saved = "fsdp" if (latest / SHARDED_DIR).is_dir() else "ddp"
     if saved == strategy:
         return None
-    return (f"{latest}: saved by a --strategy {saved} run ({'sharded weights and optimizer state' if saved == 'fsdp' else 'full weights and a plain optimizer state'}), "
-            f"resumed with --strategy {strategy}; resume with --strategy {saved}, or start a new --checkpoint-dir")
+    held = "sharded weights and optimizer state" if saved == "fsdp" else "full weights and a plain optimizer state"
+    return (f"{latest}: saved by a --strategy {saved} run ({held}), resumed with --strategy {strategy}; resume "
+            f"with --strategy {saved}, or start a new --checkpoint-dir")
 
 
 # --- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------
@@ -160,7 +162,6 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
     torch.distributed.checkpoint reads, on each rank, the parts of the saved shards that this rank's own
     shards cover, so a checkpoint saved by 2 processes loads into 1, 4 or a plain ``Net`` (resharding).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
@@ -171,23 +172,33 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
     plain = not (dist.is_available() and dist.is_initialized())
     if plain and is_sharded(model):
         raise CheckpointError(f"{path}: a sharded model needs its process group to load into")
+    if plain and optimizer is not None:
+        raise CheckpointError(f"{path}: loading optimizer state needs a process group (torchrun, or a group of one)")
     if plain:  # no process group: plain tensors, read in this process
         model_state = model.state_dict()
-        dcp.load({"model": model_state}, checkpoint_id=path / SHARDED_DIR, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            read_shards(path, {"model": model_state}, model, no_dist=True)
         model.load_state_dict(model_state)
-        if optimizer is not None:
-            raise CheckpointError(f"{path}: loading optimizer state needs a process group (torchrun, or a group of one)")
         return state
     model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     loaded = {"model": model_state} | ({"optimizer": optimizer_state} if optimizer is not None else {})
-    try:
-        dcp.load(loaded, checkpoint_id=path / SHARDED_DIR)
-    except Exception as error:  # torch raises CheckpointException, RuntimeError or KeyError for a mismatch
-        raise CheckpointError(f"{path / SHARDED_DIR}: does not fit {type(model).__name__} "
-                              f"({type(error).__name__}: {str(error).strip().splitlines()[0][:300]})") from None
+    read_shards(path, loaded, model)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=loaded["model"],
                    optim_state_dict=loaded.get("optimizer", {}))
     return state
+
+
+def read_shards(path: Path, state_dict: dict, model: nn.Module, **options) -> None:
+    """``dcp.load`` into ``state_dict`` in place; a checkpoint of another model raises CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state_dict, checkpoint_id=path / SHARDED_DIR, **options)
+    except Exception as error:  # torch raises CheckpointException, RuntimeError or KeyError for a mismatch
+        cause = (str(error).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{path / SHARDED_DIR}: does not fit {type(model).__name__} "
+                              f"({type(error).__name__}: {cause})") from None
 
 
 class ShardedCheckpoints(Checkpoints):
