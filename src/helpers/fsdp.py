@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``): shard Net over the processes, save and load sharded checkpoints, predict per-rank memory.
+"""FSDP2 (``fully_shard``): shard Net over the processes, train it in helpers.finetune, save and load sharded checkpoints.
 
 DDP keeps a full copy of the weights, their gradients and Adam's state on every rank. ``fully_shard`` keeps
 1/N of each on each of N ranks: before a sharded module's forward it all-gathers its weights, after its
@@ -7,7 +7,7 @@ backward it reduce-scatters their gradients, and it frees the gathered weights a
 
 ``fully_shard`` swaps the module's class in place (``Net`` becomes ``FSDPNet``) instead of wrapping it, so
 ``net.bert`` still works and there is no ``.module``; what changes is that every parameter becomes a new
-DTensor object, so an optimizer must be built after sharding.
+DTensor object, so an optimizer must be built after sharding. Per-rank memory: helpers.fsdp_memory.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from helpers.checkpoint import (STATE_FILE, TEMPORARY_PREFIX, CheckpointError, Checkpoints, Progress, fsync_dir,
-                                fsync_file, gather, read_state, rng_state, set_epoch_start_state,
-                                write_text_atomic, PER_PROCESS)
+from helpers.checkpoint import (PER_PROCESS, STATE_FILE, TEMPORARY_PREFIX, CheckpointError, Checkpoints, Progress,
+                                fsync_dir, fsync_file, gather, read_state, rng_state, set_epoch_start_state,
+                                write_text_atomic)
 from helpers.distributed import rank, world_size
 
 STRATEGIES = ("ddp", "fsdp")
