@@ -1,4 +1,4 @@
-"""Fine-tune Net with DistributedDataParallel: notebook 02's training, one process per device.
+"""Fine-tune Net with DistributedDataParallel (or FSDP2: --strategy fsdp): notebook 02's training, one process per device.
 
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune     # 2 processes on this machine
     python -m helpers.finetune                                       # one plain process
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
-from helpers import distributed, own_data
+from helpers import distributed, fsdp, own_data
 from helpers.checkpoint import CheckpointError, Checkpoints, Progress, save_checkpoint
 from helpers.data import PadToLongest
 from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
@@ -67,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue exactly from the latest checkpoint in --checkpoint-dir, if there is one "
                              "(same number of processes and options as the interrupted run)")
+    parser.add_argument("--strategy", choices=fsdp.STRATEGIES, default="ddp",
+                        help="ddp: a full copy of the model on every process (default); fsdp: each process holds "
+                             "1/N of the weights, gradients and Adam state (FSDP2 fully_shard, notebook 08)")
     parser.add_argument("--keep-pooler", action="store_true",
                         help="keep BERT's unused pooler, as the memo's network does: DDP stops on the second step")
     parser.add_argument("--device", choices=distributed.DEVICE_CHOICES, default="auto",
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                len(train_examples))
     if distributed.device_problem(args.device):  # no GPU for this process: it cannot join, and neither do the others
         distributed.stop_before_joining(problem)
+    problem = problem or (fsdp.strategy_problem(args.checkpoint_dir, args.strategy) if args.resume else None)
 
     device = distributed.device_for_this_process(args.device)
     distributed.init_process_group(device)
@@ -212,12 +215,15 @@ def main(argv: list[str] | None = None) -> dict:
         log(own_data.describe(data, tokenizer))
     equivalence = None
     if args.check_equivalence:
-        equivalence = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
-                                               PadToLongest(tokenizer), device, args.seed)
-        print_comparison(equivalence)
+        compare, show = ((fsdp.compare_with_one_process, fsdp.print_comparison) if args.strategy == "fsdp"
+                         else (compare_with_one_process, print_comparison))
+        equivalence = compare(args.model, train_examples[:args.global_batch_size],
+                              PadToLongest(tokenizer), device, args.seed)
+        show(equivalence)
 
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
     net = Net(args.model, num_labels=len(data.labels), pooler=args.keep_pooler).to(device)
+    net = fsdp.prepare(net, args.strategy)  # FSDP shards it here: before the optimizer is built
     rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
     body_lr = rule_body_lr if args.body_lr is None else args.body_lr
     head_lr = rule_head_lr if args.head_lr is None else args.head_lr
@@ -226,10 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
     total_steps = args.epochs * len(train_loader)
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
                                                 num_training_steps=total_steps)
-    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    model = fsdp.wrap(net, args.strategy, device)
     torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
 
-    checkpoints = (Checkpoints(args.checkpoint_dir, every=args.save_every, labels=data.labels)
+    checkpoints = (fsdp.checkpoints_for(args.strategy, args.checkpoint_dir, args.save_every, labels=data.labels)
                    if args.checkpoint_dir else None)
     progress, resume_rng = Progress(), None
     if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.all_reduce(train_loss)
         row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds,
                "batch_losses": batch_losses}  # this process's, for plots
-        if rank == 0:  # the other ranks wait at the barrier; evaluating the plain model needs no collective
+        if rank == 0 or fsdp.is_sharded(model):  # DDP: the others wait at the barrier; a sharded forward needs all
             val = evaluate(unwrap(model), val_loader)
             row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
             log(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
@@ -256,13 +262,14 @@ def main(argv: list[str] | None = None) -> dict:
     history = progress.history
 
     digests = [None] * world_size
-    dist.all_gather_object(digests, weights_digest(unwrap(model)))
+    weights = fsdp.FullWeights(unwrap(model))  # a sharded model's full weights, gathered on every rank
+    dist.all_gather_object(digests, weights_digest(weights))
     result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
               "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
               "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
     if args.train_file:
         result["labels"] = list(data.labels)
-    if rank == 0 and data.test:
+    if data.test and (rank == 0 or fsdp.is_sharded(model)):  # as for validation
         test = evaluate(unwrap(model), DataLoader(data.test, batch_size=64, collate_fn=PadToLongest(tokenizer)))
         result |= {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
         log(f"test: loss {test['loss']:.2f}  accuracy {test['accuracy']:.2f}")
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.output_dir is not None:
             (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
             # load with helpers.predict.load_classifier (labels too) or helpers.checkpoint.load_checkpoint
-            save_checkpoint(args.output_dir / "model", model, labels=data.labels)
+            save_checkpoint(args.output_dir / "model", weights, labels=data.labels)
         print(json.dumps(summary(result)), flush=True)  # short; metrics.json has every batch's loss
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""FSDP2 through helpers.fsdp and ``helpers.finetune --strategy fsdp``: the same gradients and SGD step as one
+process, sharded checkpoints that load under another number of processes and into a plain Net, a run killed
+(SIGKILL, under torchrun) and resumed to bitwise the same weights, and bad input refused with a clear message.
+
+Three torchrun runs are shared by the tests: one killed after its first checkpoint, its resumption, and an
+uninterrupted run (with the equivalence check and the plain weights written by ``--output-dir``).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from helpers import fsdp
+from helpers.checkpoint import STATE_FILE, CheckpointError, Checkpoints, read_state, state_dicts_equal
+from helpers.finetune import main, parse_args
+from helpers.net import Net
+from helpers.optim import ParamGroupError, audit_param_groups, two_lr_adam
+
+EPOCHS, BATCHES_PER_EPOCH, SAVE_EVERY = 2, 6, 4
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                    "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+ARGS = ["--strategy", "fsdp", "--train-examples", str(8 * BATCHES_PER_EPOCH), "--val-examples", "16",
+        "--global-batch-size", "8", "--epochs", str(EPOCHS)]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "helpers.finetune", *ARGS]
+
+
+def last_json(text: str) -> dict:
+    return next(json.loads(line) for line in reversed(text.strip().splitlines()) if line.startswith("{"))
+
+
+def torchrun(*args) -> dict:
+    run = subprocess.run([*TORCHRUN, *args], env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return last_json(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The killed, resumed and uninterrupted runs, and their folders."""
+    root = tmp_path_factory.mktemp("fsdp")
+    killed = root / "killed"
+    saving = ["--checkpoint-dir", str(killed), "--save-every", str(SAVE_EVERY)]
+    with open(root / "killed.log", "w") as log:
+        # its own process group, so that one SIGKILL reaches torchrun and both workers, as when a machine dies
+        launcher = subprocess.Popen([*TORCHRUN, *saving], env=ENV, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not (killed / "latest").exists():
+            assert launcher.poll() is None, (root / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.01)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        assert launcher.wait() == -signal.SIGKILL
+    stopped_at = read_state(Checkpoints(killed).latest() / STATE_FILE)["progress"]
+    resumed = torchrun(*saving, "--resume")
+    whole = root / "uninterrupted"
+    uninterrupted = torchrun("--check-equivalence", "--checkpoint-dir", str(whole), "--output-dir", str(root / "out"))
+    return {"stopped_at": stopped_at, "resumed": resumed, "uninterrupted": uninterrupted, "root": root}
+
+
+def test_sharded_gradients_and_sgd_step_equal_one_process(runs):
+    result = runs["uninterrupted"]["equivalence"]
+    assert result["world_size"] == 2 and result["per_rank_batch_size"] == 4
+    assert result["max_abs_grad_diff"] <= fsdp.TOLERANCE
+    assert result["max_abs_weight_diff_after_sgd"] <= fsdp.TOLERANCE
+    # each tensor's rows split in two, rank 0 taking the larger half of an odd count: 1,505,154 -> 752,641
+    half = result["parameters"] / 2
+    assert half <= result["parameters_on_this_rank"] < half + 1000
+
+
+def test_killed_under_torchrun_and_resumed_ends_bitwise_like_an_uninterrupted_run(runs):
+    assert 0 < runs["stopped_at"]["batch"] < BATCHES_PER_EPOCH, runs["stopped_at"]  # killed mid-epoch
+    resumed, uninterrupted = runs["resumed"], runs["uninterrupted"]
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
+    assert len(set(resumed["weights_sha256"])) == 1
+    losses = [[row["batch_losses"] for row in run["history"]] for run in (resumed, uninterrupted)]
+    assert losses[0] == losses[1] and len(losses[0][0]) == BATCHES_PER_EPOCH
+
+
+def test_sharded_checkpoint_of_two_processes_loads_into_a_plain_net_and_into_one_process(runs):
+    latest = Checkpoints(runs["root"] / "uninterrupted").latest()
+    assert sorted(p.name for p in (latest / fsdp.SHARDED_DIR).iterdir()) == [".metadata", "__0_0.distcp",
+                                                                            "__1_0.distcp"]
+    full = load_file(runs["root"] / "out" / "model" / "model.safetensors")  # gathered by the run itself
+
+    torch.manual_seed(1)
+    plain = Net(pooler=False)
+    fsdp.load_sharded(latest, plain)  # no process group
+    assert state_dicts_equal(plain.state_dict(), full)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        one = fsdp.shard(Net(pooler=False))
+        optimizer = two_lr_adam(one)
+        fsdp.load_sharded(latest, one, optimizer)  # resharded: 2 shards saved, 1 loaded
+        assert state_dicts_equal(fsdp.FullWeights(one).state_dict(), full)
+        assert len(optimizer.state) == len(list(one.parameters()))  # Adam's moments came back too
+        with pytest.raises(CheckpointError, match="saved by 2 process.*resumed with 1"):
+            fsdp.ShardedCheckpoints(runs["root"] / "uninterrupted").resume(one, optimizer, None, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resuming_across_strategies_is_refused_with_the_reason(runs, tmp_path, capsys):
+    ddp_dir = tmp_path / "ddp"
+    main(["--train-examples", "8", "--val-examples", "8", "--global-batch-size", "8", "--epochs", "1",
+          "--checkpoint-dir", str(ddp_dir)])
+    for directory, strategy, saved in ((ddp_dir, "fsdp", "ddp"), (runs["root"] / "uninterrupted", "ddp", "fsdp")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            main(["--strategy", strategy, "--checkpoint-dir", str(directory), "--resume"])
+        assert stop.value.code == 2
+        assert f"saved by a --strategy {saved} run" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="full-weights checkpoint"):
+        fsdp.load_sharded(Checkpoints(ddp_dir).latest(), Net(pooler=False))
+
+
+def test_unknown_strategy_is_refused(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--strategy", "zero3"])
+    assert stop.value.code == 2
+    assert "argument --strategy: invalid choice: 'zero3'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected one of ddp, fsdp"):
+        fsdp.prepare(Net(pooler=False), "zero3")
+
+
+def test_an_optimizer_built_before_sharding_trains_nothing_and_the_audit_says_so():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = Net(pooler=False)
+        optimizer = two_lr_adam(net)  # the mistake: before fully_shard
+        fsdp.shard(net)
+        before = fsdp.FullWeights(net).state_dict()
+        before = {key: value.clone() for key, value in before.items()}
+        ids = torch.randint(5, 100, (4, 12))
+        torch.nn.functional.cross_entropy(net(ids, torch.ones_like(ids)), torch.tensor([0, 1, 0, 1])).backward()
+        optimizer.step()
+        assert state_dicts_equal(fsdp.FullWeights(net).state_dict(), before)  # silently unchanged
+        assert all(p.grad is not None for p in net.parameters())  # the gradients went to the new DTensors
+        with pytest.raises(ParamGroupError, match="not in any group.*not parameters of FSDPNet"):
+            audit_param_groups(net, optimizer)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,38 @@
+"""FSDP memory predictions: the stored table is what the tracker computes now, the layer extrapolation equals a
+trace, FSDP shards what it should, and the GPU check says why it skips on a machine without 2 GPUs."""
+
+import pytest
+import torch
+
+from helpers.fsdp_memory import (GIB, LEVERS, MODELS, bert_base_config, by_category, check_fsdp, load_table,
+                                 parameters, predict, trace_fsdp)
+
+
+def test_stored_table_equals_a_fresh_prediction():
+    assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict(bert_base_config(), 8, 512, 2)
+
+
+def test_extrapolation_from_three_and_four_layers_equals_the_trace_of_five():
+    five = bert_base_config(num_hidden_layers=5)
+    assert predict(five, 8, 512, 2) == by_category(trace_fsdp(five, 8, 512, 2))
+
+
+def test_table_shards_weights_and_adam_state_but_not_activations():
+    table = load_table()
+    assert set(table["models"]) == set(MODELS) and set(table["levers"]["fsdp"]) == set(LEVERS)
+    assert 0.9e9 < parameters(MODELS["1B encoder"]()) < 1.1e9
+    for entry in table["models"].values():
+        two, eight = entry["fsdp"]["2"], entry["fsdp"]["8"]
+        assert abs(two["optimizer"] / eight["optimizer"] - 4) < 0.01  # 1/N of Adam's state
+        assert two["activations"] == eight["activations"]  # the same per-rank batch
+        assert eight["total"] < two["total"] < entry["ddp"]["total"]
+    levers = table["levers"]["fsdp"]
+    assert levers["CPU offload"]["optimizer"] == 0 and levers["CPU offload"]["weights"] < 2**20  # buffers stay
+    assert levers["checkpointing"]["total"] < levers["mixed precision"]["total"] < levers["none"]["total"]
+    assert levers["none"]["total"] / GIB > 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs: check_fsdp runs for real")
+def test_check_fsdp_skips_with_the_reason_without_two_gpus():
+    ((ok, line),) = check_fsdp()
+    assert ok and line.startswith("skip FSDP check: needs 2 CUDA GPUs")
