@@ -45,9 +45,11 @@ def ratio_row(label: str, before: str, ratios: list[float], target: float, digit
 def markdown(machine: str, end_load: str, args, pad: dict | None, hf: dict | None, nbs: dict | None,
              ddp: str | None) -> str:
     lines = [f"Measured on {machine}, at end {end_load}; {datetime.date.today().isoformat()}; medians of "
-             f"{args.repeats} repetitions (notebooks: {args.notebook_repeats}), each ratio with its range over the "
+             f"{args.repeats} repetitions" + ("" if "notebooks" in args.skip else f" (notebooks: {args.notebook_repeats})") +
+             f", each ratio with its range over the "
              f"repetitions; a target is met only when the worst repetition clears it" +
-             (f"; training on the first {args.examples} sentences only" if args.examples else "") + ".", "",
+             (f"; training on the first {args.examples} sentences only" if args.examples else "") +
+             (f"; not run this time: {', '.join(args.skip)}" if args.skip else "") + ".", "",
              "| benchmark | measured | target | met |", "|---|---|---|---|"]
     if pad:
         seconds, ratios = pad["epoch_s"], padding.speedups(pad)
