@@ -7,29 +7,44 @@ DEV_STAMP := $(VENV)/.installed-dev
 MODEL := src/helpers/assets/tiny-japanese-bert
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-# Stored notebook outputs must not depend on progress bars or hub look-ups.
+# Stored notebook outputs must not depend on progress bars or hub look-ups (conftest.py sets the same for pytest).
 NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 NBVAL := --nbval --nbval-current-env
+# make test NB=03  (or NB="03 solutions/03", or a path): those notebooks only, under nbval, without the unit tests
+NB_FILES := $(foreach nb,$(NB),$(or $(wildcard $(nb)),$(wildcard notebooks/$(nb)*.ipynb),$(error NB=$(nb): no notebook notebooks/$(nb)*.ipynb)))
 
 # Install options, used when .venv is first built (on a fresh checkout or after `make clean`):
-#   TORCH=cpu       torch's CPU-only build from PyTorch's wheel index first (Linux without an NVIDIA GPU:
-#                   PyPI's Linux torch is the CUDA build, several GB with its nvidia-* wheels)
+#   TORCH=auto      (default) Linux without an NVIDIA driver: torch's CPU-only build from PyTorch's CPU wheel
+#                   index; elsewhere, or when that index cannot be reached: the pinned torch from your package
+#                   index (PyPI's Linux torch is the CUDA build, several GB with its nvidia-* wheels)
+#   TORCH=cpu | TORCH=pypi   force either build; an existing .venv with the other one is refused
+#   TORCH_CPU_INDEX=URL      a mirror of PyTorch's CPU wheel index
 #   WHEELHOUSE=DIR  install only from what `make wheelhouse` saved in DIR, without network
-TORCH_PIN := $(shell grep '^torch==' requirements.txt)
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_BUILD = $(PYTHON) tools/torch_build.py --torch $(TORCH) --cpu-index $(TORCH_CPU_INDEX)
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab test unit notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
+.PHONY: lab venv venv-check test unit notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
 
-# Jupyter refuses to start as root (containers, CI images) unless told so.
+# Jupyter refuses to start as root (containers, CI images) unless told so. It opens on 00_setup.ipynb (what
+# WORKSHOP.md runs first), with the lab settings of jupyter-config/ (no news prompt) as defaults under the user's own.
 # LAB_ARGS adds options, e.g. the browser test's port and token: make lab LAB_ARGS="--no-browser --port=8899"
-lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+lab: venv-check $(STAMP)
+	JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter-config$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH)) \
+	  $(BIN)/jupyter lab notebooks --LabApp.default_url=/lab/tree/00_setup.ipynb $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-test: $(DEV_STAMP)
-	$(NB_ENV) $(BIN)/python -m pytest tests $(NBVAL) notebooks --durations=20
+# Build .venv without starting anything (then: . .venv/bin/activate, or run .venv/bin/python ...).
+venv: venv-check $(STAMP)
 
-unit: $(DEV_STAMP)
+# Say so when an existing .venv holds another torch build than the one TORCH (or this machine) asks for.
+venv-check:
+	@$(TORCH_BUILD) check $(BIN)/python
+
+test: venv-check $(if $(NB),$(STAMP),$(DEV_STAMP))
+	$(NB_ENV) $(BIN)/python -m pytest $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
+
+unit: venv-check $(DEV_STAMP)
 	$(BIN)/python -m pytest tests
 
 # Re-execute every notebook top to bottom, in place, so committed outputs are the code's own.
@@ -53,11 +68,15 @@ bench: $(DEV_STAMP)
 tiny-model: $(STAMP)
 	$(BIN)/python -m helpers.tiny_bert $(MODEL)
 
-# Download every pinned package, and setuptools and wheel (to build the package and the two sdists), into wheelhouse/,
-# for a later `make lab WHEELHOUSE=wheelhouse` on a machine of the same OS, CPU and Python without network.
+# Download every pinned package, dev tools included (make test, make docs, make bench), and setuptools and wheel
+# (to build the package and the two sdists) into wheelhouse/, for a later `make lab WHEELHOUSE=wheelhouse` (or
+# test, docs) on a machine of the same OS, CPU and Python without network. TORCH picks the torch build as above.
 wheelhouse:
-	$(if $(filter cpu,$(TORCH)),$(PYTHON) -m pip download --quiet --no-deps --index-url $(TORCH_CPU_INDEX) -d wheelhouse $(TORCH_PIN))
-	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt "setuptools>=68" wheel
+	$(TORCH_BUILD) download wheelhouse
+	$(PYTHON) -m pip download --quiet --find-links wheelhouse -d wheelhouse -r requirements.txt -r requirements-dev.txt \
+	  "setuptools>=68" wheel
+	du -sh wheelhouse
+
 # On a CUDA machine: memory predictions vs torch.cuda.max_memory_allocated, DDP over NCCL and kill-and-resume
 # (--deterministic, bitwise), every notebook executed (GPU cells active) into a scratch folder. One report, also
 # as JSON with GPU_CHECK_ARGS="--json gpu-check.json"; exit 1 on a failure. Without CUDA: one line, exit 0.
@@ -71,14 +90,14 @@ memory-chart: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(if $(filter cpu,$(TORCH)),$(BIN)/python -m pip install --quiet --no-deps $(or $(PIP_SOURCE),--index-url $(TORCH_CPU_INDEX)) $(TORCH_PIN))
+	$(TORCH_BUILD) install $(BIN)/python $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) -r requirements.txt
 	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) --no-deps -e .
 	touch $@
 
 # Tools for the site, the browser test and the benchmarks; `make lab` does without them.
 $(DEV_STAMP): requirements-dev.txt $(STAMP)
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) -r requirements-dev.txt
 	touch $@
 
 clean:

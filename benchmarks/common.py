@@ -1,4 +1,4 @@
-"""What every benchmark shares: medians of repeated timings, and a description of the machine."""
+"""What every benchmark shares: medians and spreads of repeated timings, and a description of the machine."""
 
 from __future__ import annotations
 
@@ -34,7 +34,22 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def machine() -> str:
+def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """One ratio per repetition: the sides of a repetition ran side by side, under the same load."""
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+
+
+def spread(values: list[float], unit: str = "×", digits: int = 2) -> str:
+    """'min–max over N repeats', the honest companion of a median."""
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}{unit} over {len(values)} repeats"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages: on 2 cores, anything near 2 or above means the timings were shared."""
+    return ", ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
+def machine(torch_threads: bool = True) -> str:
     """CPU model, cores this process may use, versions, and the load when the run started."""
     import torch
 
@@ -45,6 +60,6 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-    return (f"{cpu}, {cores} cores, {torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
-            f"torch {torch.__version__}; load average at start {load}")
+    threads = f", {torch.get_num_threads()} torch threads" if torch_threads else ""
+    return (f"{cpu}, {cores} cores{threads}, Python {platform.python_version()}, torch {torch.__version__}; "
+            f"load average at start {load_average()}")

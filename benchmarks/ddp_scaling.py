@@ -1,11 +1,12 @@
 """Samples/s of BERT training with 1 process vs 2 DDP processes (gloo, CPU), at a fixed global batch.
 
-    python benchmarks/ddp_scaling.py            # a few minutes on an idle 2-core machine
+    python benchmarks/ddp_scaling.py            # a few minutes on 2 cores
 
 Three set-ups, measured side by side in rounds (so a change in machine load hits all of them):
   1 process x 1 thread, 2 DDP processes x 1 thread each, 1 process x 2 threads.
 The model (BERT, hidden 256, 4 layers, sequence 128, random weights and tokens) is big enough that
-compute, not communication or Python, dominates a step. Prints medians, speed-up and efficiency.
+compute, not communication or Python, dominates a step. Prints the machine and its load, medians,
+speed-up (median and range of the ratios of windows timed in the same round) and efficiency.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from transformers import BertConfig, BertModel
+
+import common  # benchmarks/common.py: the machine and its load
 
 SETUPS = {"1 process x 1 thread": (1, 1), "2 processes x 1 thread": (2, 1), "1 process x 2 threads": (1, 2)}
 
@@ -95,21 +98,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="launches of every set-up, interleaved")
     args = parser.parse_args()
 
-    print(f"{os.cpu_count()} CPUs; global batch {args.global_batch}, sequence {args.seq_len}, "
+    print(f"machine: {common.machine(torch_threads=False)}")
+    print(f"global batch {args.global_batch}, sequence {args.seq_len}, "
           f"{args.rounds} rounds x {args.windows} windows x {args.steps} steps per set-up")
     rates = {name: [] for name in SETUPS}
     for _ in range(args.rounds):
         for name, (world_size, threads) in SETUPS.items():
             rates[name] += measure(world_size, threads, args)
-    medians = {name: statistics.median(values) for name, values in rates.items()}
-    base = medians["1 process x 1 thread"]
-    print(f"{'set-up':<24}{'median samples/s':>18}{'min':>8}{'max':>8}{'speed-up':>10}{'efficiency':>12}")
+    base = rates["1 process x 1 thread"]
+    print(f"{'set-up':<24}{'median samples/s':>18}{'min':>8}{'max':>8}{'speed-up':>10}{'range':>14}{'efficiency':>12}")
     for name, (world_size, threads) in SETUPS.items():
-        speedup = medians[name] / base
-        workers = world_size * threads
-        print(f"{name:<24}{medians[name]:>18.1f}{min(rates[name]):>8.1f}{max(rates[name]):>8.1f}"
-              f"{speedup:>9.2f}x{speedup / workers:>12.0%}")
-
+        speedups = common.ratios(rates[name], base)  # window i of every set-up ran in the same round
+        speedup = statistics.median(speedups)
+        print(f"{name:<24}{statistics.median(rates[name]):>18.1f}{min(rates[name]):>8.1f}{max(rates[name]):>8.1f}"
+              f"{speedup:>9.2f}x{min(speedups):>7.2f}-{max(speedups):.2f}x{speedup / (world_size * threads):>11.0%}")
+    print(f"load average at end {common.load_average()}")
 
 if __name__ == "__main__":
     main()

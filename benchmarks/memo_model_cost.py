@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+import common  # benchmarks/common.py: the machine and its load
 from helpers.data import load_split, make_loader
 from helpers.memo_shape import build_memo_shaped_bert
 from helpers.models import DEFAULT_MODEL, load_tokenizer
@@ -92,7 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU seconds = one core's seconds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); CPU seconds, medians of {args.repeats}")
+    print(f"machine: {common.machine()}")
+    print(f"CPU seconds, medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as scratch:
         memo = str(build_memo_shaped_bert(scratch, num_layers=args.layers))
         rows = {"tiny": measure(DEFAULT_MODEL, args.repeats),
@@ -107,6 +109,7 @@ def main() -> None:
     tiny, memo = rows.values()
     print(f"ratio memo/tiny: params {memo['params'] / tiny['params']:.0f}x, "
           f"step time {step_seconds(memo) / step_seconds(tiny):.0f}x")
+    print(f"load average at end {common.load_average()}")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,15 @@ def run(repeats: int = 1, pattern: str = "*.ipynb") -> dict:
             if done.returncode != 0:
                 failed.append(name)
     seconds = {name: common.median(values) for name, values in times.items()}
-    return {"seconds": seconds, "total": sum(seconds.values()), "failed": sorted(set(failed)), "repeats": repeats}
+    return {"seconds": seconds, "worst": {name: max(values) for name, values in times.items()},
+            "total": sum(seconds.values()), "worst_total": sum(max(values) for values in times.values()),
+            "failed": sorted(set(failed)), "repeats": repeats}
 
 
 def report(result: dict) -> list[str]:
-    lines = [f"{name:50s} {seconds:6.1f} s" + ("  FAILED" if name in result["failed"] else "")
-             for name, seconds in result["seconds"].items()]
-    lines.append(f"{'total':50s} {result['total']:6.1f} s")
+    lines = [f"{name:50s} {seconds:6.1f} s (worst {result['worst'][name]:6.1f} s)" +
+             ("  FAILED" if name in result["failed"] else "") for name, seconds in result["seconds"].items()]
+    lines.append(f"{'total':50s} {result['total']:6.1f} s (worst {result['worst_total']:6.1f} s)")
     return lines
 
 
@@ -45,4 +47,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pattern", default="*.ipynb", help="which notebooks, e.g. '03_*'")
     args = parser.parse_args()
+    print(f"machine: {common.machine(torch_threads=False)}", flush=True)
     print("\n".join(report(run(args.repeats, args.pattern))))
+    print(f"load average at end {common.load_average()}")

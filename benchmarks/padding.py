@@ -94,14 +94,21 @@ def run(repeats: int = 3, batches_512: int = 5, examples: int | None = None) -> 
         print("  padding:", ", ".join(f"{name} {values[-1]:.1f} s" for name, values in times.items()), flush=True)
     tokens = {"pad to 512": len(train) * 512,
               **{name: sum(batch["attention_mask"].numel() for batch in loader) for name, loader in dynamic.items()}}
-    return {"epoch_s": {name: common.median(values) for name, values in times.items()}, "tokens": tokens,
-            "repeats": repeats, "batches_512": batches_512, "examples": len(train)}
+    return {"epoch_s": {name: common.median(values) for name, values in times.items()}, "times": times,
+            "tokens": tokens, "repeats": repeats, "batches_512": batches_512, "examples": len(train)}
+
+
+def speedups(result: dict) -> dict[str, list[float]]:
+    """Per repetition, pad-to-512 epoch time over each dynamic side's (sides of a repetition ran together)."""
+    base = result["times"]["pad to 512"]
+    return {name: common.ratios(base, values) for name, values in result["times"].items() if name != "pad to 512"}
 
 
 def report(result: dict) -> list[str]:
-    base = result["epoch_s"]["pad to 512"]
-    lines = [f"{name:32s} epoch {seconds:7.2f} s  ({result['tokens'][name]:>9,} token slots)  "
-             f"speed-up vs 512: {base / seconds:5.1f}x" for name, seconds in result["epoch_s"].items()]
+    ratios = speedups(result)
+    lines = [f"{name:32s} epoch {seconds:7.2f} s  ({result['tokens'][name]:>9,} token slots)" +
+             (f"  speed-up vs 512: {common.median(ratios[name]):5.1f}x ({common.spread(ratios[name], 'x', 1)})"
+              if name in ratios else "") for name, seconds in result["epoch_s"].items()]
     return lines
 
 
@@ -111,4 +118,6 @@ if __name__ == "__main__":
     parser.add_argument("--batches-512", type=int, default=5, help="batches timed per repeat when padding to 512")
     parser.add_argument("--examples", type=int, help="train on the first N sentences only (default: all)")
     args = parser.parse_args()
+    print(f"machine: {common.machine()}", flush=True)
     print("\n".join(report(run(args.repeats, args.batches_512, args.examples))))
+    print(f"load average at end {common.load_average()}")

@@ -81,13 +81,19 @@ def run(repeats: int = 3, examples: int | None = None) -> dict:
             print(f"  {name}: {times[name][-1]:.1f} s, validation accuracy {accuracy[name]:.3f}", flush=True)
     samples = EPOCHS * len(train)
     return {"samples_per_s": {name: samples / common.median(values) for name, values in times.items()},
-            "val_accuracy": accuracy, "repeats": repeats, "examples": len(train)}
+            "times": times, "val_accuracy": accuracy, "repeats": repeats, "examples": len(train)}
+
+
+def speed_ratios(result: dict) -> list[float]:
+    """Per repetition, the loop's samples/s over Trainer's, i.e. Trainer's time over the loop's."""
+    return common.ratios(result["times"]["HF Trainer"], result["times"]["project loop"])
 
 
 def report(result: dict) -> list[str]:
     speed, acc = result["samples_per_s"], result["val_accuracy"]
     lines = [f"{name:14s} {speed[name]:7.1f} samples/s   validation accuracy {acc[name]:.3f}" for name in speed]
-    lines.append(f"project loop / Trainer: {speed['project loop'] / speed['HF Trainer']:.2f}x samples/s")
+    ratios = speed_ratios(result)
+    lines.append(f"project loop / Trainer: {common.median(ratios):.2f}x samples/s ({common.spread(ratios, 'x')})")
     return lines
 
 
@@ -96,4 +102,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--examples", type=int, help="train on the first N sentences only (default: all)")
     args = parser.parse_args()
+    print(f"machine: {common.machine()}", flush=True)
     print("\n".join(report(run(args.repeats, args.examples))))
+    print(f"load average at end {common.load_average()}")
