@@ -262,6 +262,8 @@ def check_fsdp() -> list[tuple[bool, str]]:
 
     import torch.distributed as dist
 
+    from helpers.finetune import last_json
+
     gpus = CHECK["gpus"]
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -270,10 +272,12 @@ def check_fsdp() -> list[tuple[bool, str]]:
         return [(True, "skip FSDP check: this torch build has no NCCL")]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
                           "-m", "helpers.fsdp_memory", "--measure"], capture_output=True, text=True, timeout=900)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode != 0 or not lines:
+    try:
+        measured = last_json(run.stdout)
+    except ValueError:
+        measured = None
+    if run.returncode != 0 or measured is None:
         return [(False, f"FAIL FSDP run on {gpus} GPUs (exit {run.returncode}): {run.stderr.strip()[-500:]}")]
-    measured = json.loads(lines[-1])
     predicted = load_table()["models"]["BERT-base"]["fsdp"][str(gpus)]["total"]
     results = [(measured["backend"] == "nccl", f"{'ok  ' if measured['backend'] == 'nccl' else 'FAIL'} FSDP "
                                                 f"backend {measured['backend']}")]

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from helpers.fsdp_memory import check_fsdp
 from helpers.memory import per_device, trace_by_layers
 from helpers.memtrace import bert_base_config, build_model, cuda_sdpa_kernel
 
@@ -284,6 +285,7 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: bool) -> dict[str, callable]
     else:
         checks["ddp"] = lambda: [runs.check_ddp_equivalence(2)]
         checks["resume"] = lambda: [runs.check_kill_and_resume(2, scratch / "resume-2", "--deterministic")]
+        checks["fsdp"] = check_fsdp
     if notebooks:
         checks["notebooks"] = lambda: execute_notebooks(scratch / "notebooks", gpus)
     return checks
