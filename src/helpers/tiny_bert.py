@@ -20,17 +20,20 @@ import unicodedata
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertJapaneseTokenizer, BertModel
 from transformers.models.bert_japanese.tokenization_bert_japanese import MecabTokenizer
 from transformers.utils import logging as transformers_logging
 
+from helpers import chive
 from helpers.data import SPLITS, load_split
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MECAB_DIC = "unidic_lite"
 MIN_WORD_COUNT = 2
+UNIDIC_LEMMA = 7  # position of the lemma (語彙素) in a UniDic entry's features
 REVIEW_SHARE = 0.25  # of the pre-training sentences, when a broader corpus joins the train split
 
 
@@ -103,12 +106,17 @@ def mask_tokens(input_ids, special_mask, mask_id, vocab_size, generator, probabi
 
 
 def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 32,
-             whole_words: bool = False):
-    """Masked-LM training on ``texts`` with AdamW and a linear warmup/decay; returns the loss per step."""
+             whole_words: bool = False, embedding_rate: float = 1.0):
+    """Masked-LM training on ``texts`` with AdamW and a linear warmup/decay; returns the loss per step.
+
+    ``embedding_rate`` scales the word embeddings' rate (0 freezes them; they are tied to the output layer)."""
     generator = torch.Generator().manual_seed(seed)
     encoded = tokenizer(texts, truncation=True, max_length=64)["input_ids"]
     pieces = torch.tensor([token.startswith("##") for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    words = model.bert.embeddings.word_embeddings.weight
+    rest = [parameter for parameter in model.parameters() if parameter is not words]
+    optimizer = torch.optim.AdamW([{"params": rest, "lr": 1e-3}, {"params": [words], "lr": 1e-3 * embedding_rate}],
+                                  weight_decay=0.01)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup))))
@@ -132,6 +140,59 @@ def pretrain(model: BertForMaskedLM, tokenizer, texts: list[str], steps: int, se
     return losses
 
 
+def vector_for(token: str, vectors, lemma_of) -> tuple[np.ndarray | None, str]:
+    """A vocabulary entry's word vector and where it came from: the word itself (a ``##x`` piece takes x's),
+    its NFKC form, its lower case, then the UniDic lemma MeCab gives it (開け → 開ける); else none."""
+    word = token.removeprefix("##")
+    nfkc = unicodedata.normalize("NFKC", word)
+    for source, candidate in (("exact", word), ("nfkc", nfkc), ("lower case", nfkc.lower()),
+                              ("lemma", lemma_of(word))):
+        vector = vectors.get(candidate) if candidate else None
+        if vector is not None:
+            return vector, source
+    return None, "none"
+
+
+def unidic_lemma(mecab_dic: str = MECAB_DIC):
+    """word -> its UniDic lemma when MeCab reads it as one word (else None), with the tokenizer's dictionary."""
+    tagger = MecabTokenizer(mecab_dic=mecab_dic).mecab  # fugashi's GenericTagger: features as a plain tuple
+
+    def lemma_of(word: str) -> str | None:
+        words = tagger(word)
+        features = words[0].feature if len(words) == 1 else ()
+        return features[UNIDIC_LEMMA] if len(features) > UNIDIC_LEMMA else None
+
+    return lemma_of
+
+
+def project(found: np.ndarray, width: int, std: float = 0.02) -> np.ndarray:
+    """Principal components: the ``width`` directions of largest variance of the centred vectors (sign fixed so
+    each direction's largest coordinate is positive), scaled to BERT's initial standard deviation."""
+    centred = found.astype(np.float64) - found.mean(axis=0, dtype=np.float64)
+    _, _, directions = np.linalg.svd(centred, full_matrices=False)
+    directions = directions[:width]
+    directions *= np.sign(directions[np.arange(width), np.abs(directions).argmax(axis=1)])[:, None]
+    projected = centred @ directions.T
+    return (projected * (std / projected.std())).astype(np.float32)
+
+
+def initialise_word_embeddings(model: BertForMaskedLM, vocab: list[str], vectors, lemma_of) -> Counter:
+    """Overwrite the word-embedding rows of the vocabulary entries that have a word vector with those vectors,
+    projected to the hidden size; special tokens and entries without one keep their random initial rows.
+    Returns how many entries each source covered."""
+    sources, rows, found = Counter(), [], []
+    for row, token in enumerate(vocab):
+        vector, source = (None, "special") if token in SPECIAL_TOKENS else vector_for(token, vectors, lemma_of)
+        sources[source] += 1
+        if vector is not None:
+            rows.append(row)
+            found.append(vector)
+    embeddings = model.bert.embeddings.word_embeddings.weight
+    with torch.no_grad():
+        embeddings[rows] = torch.from_numpy(project(np.stack(found), embeddings.shape[1]))
+    return sources
+
+
 def body_only(model: BertForMaskedLM) -> BertModel:
     """The pre-trained encoder as a BertModel with a (seeded, untrained) pooler, like a hub checkpoint's body,
     so that ``BertModel.from_pretrained`` finds every weight it expects."""
@@ -143,13 +204,16 @@ def body_only(model: BertForMaskedLM) -> BertModel:
 
 def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus: list[str] = (),
                     whole_words: bool = False, max_words: int | None = None, batch_size: int = 32,
-                    hidden_size: int = 128, layers: int = 4) -> list[float]:
-    """Write tokenizer and BertModel weights to ``out_dir``.
+                    hidden_size: int = 128, layers: int = 4, vectors=None, embedding_rate: float = 1.0,
+                    corpus_words: bool = False) -> tuple[list[float], Counter]:
+    """Write tokenizer and BertModel weights to ``out_dir``; return the masked-LM loss per step and how many
+    vocabulary entries each source of word vectors covered (empty without ``vectors``).
 
-    Words and pre-training come from the train split only; the characters of the validation and test
-    splits join the alphabet (no labels are read), as a real vocabulary covers far more characters.
-    ``corpus`` sentences join both; the train split is repeated so that it stays about a quarter of what
-    pre-training reads.
+    Words and pre-training come from the train split; the characters of the validation and test splits join
+    the alphabet (no labels are read), as a real vocabulary covers far more characters. ``vectors`` (e.g.
+    ``helpers.chive.Vectors``) initialise the word embeddings before pre-training. ``corpus`` sentences join
+    pre-training (and, with ``corpus_words``, the vocabulary); the train split is repeated so that it stays
+    about a quarter of what pre-training reads. ``steps=0`` skips pre-training.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,39 +221,51 @@ def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus
     reviews = [example.text for example in load_split("train")]
     repeats = max(1, round(REVIEW_SHARE * len(corpus) / ((1 - REVIEW_SHARE) * len(reviews))))
     texts = reviews * repeats + list(corpus)
+    vocab = build_vocab(reviews + list(corpus) if corpus_words else reviews, bundled_alphabet(), max_words=max_words)
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = make_tokenizer(build_vocab(reviews + list(corpus), bundled_alphabet(), max_words=max_words),
-                                   Path(scratch))
+        tokenizer = make_tokenizer(vocab, Path(scratch))
         model = BertForMaskedLM(tiny_config(len(tokenizer), hidden_size, layers))
-        losses = pretrain(model, tokenizer, texts, steps, seed, batch_size, whole_words)
+        sources = Counter() if vectors is None else initialise_word_embeddings(model, vocab, vectors, unidic_lemma())
+        losses = pretrain(model, tokenizer, texts, steps, seed, batch_size, whole_words, embedding_rate) if steps else []
     tokenizer.save_pretrained(out_dir)
     body_only(model).save_pretrained(out_dir)
-    return losses
+    return losses, sources
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--vectors", choices=("chive", "none"), default="chive",
+                        help="initial word embeddings: chiVe's (from the pinned ja-ginza wheel) or random")
+    parser.add_argument("--cache", type=Path, default=chive.CACHE, help="where the ja-ginza wheel is downloaded")
+    parser.add_argument("--steps", type=int, default=0, help="masked-LM steps after the embeddings (0: none)")
+    parser.add_argument("--embedding-rate", type=float, default=1.0,
+                        help="the word embeddings' pre-training rate as a multiple of the body's (0 freezes them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus", type=Path, help="more pre-training text, one sentence per line")
+    parser.add_argument("--corpus-words", action="store_true", help="add the corpus's words to the vocabulary")
     parser.add_argument("--whole-word-masking", action="store_true")
     parser.add_argument("--max-words", type=int, help="cap on the vocabulary's whole words")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: pre-training needs at least one step")
+    if args.steps < 0:
+        parser.error(f"--steps {args.steps}: the number of pre-training steps cannot be negative")
     if args.hidden_size % 32:
         parser.error(f"--hidden-size {args.hidden_size} is not a multiple of 32 (each attention head has 32)")
     transformers_logging.disable_progress_bar()
+    vectors = chive.Vectors.from_wheel(chive.fetch_wheel(args.cache)) if args.vectors == "chive" else None
     corpus = args.corpus.read_text(encoding="utf-8").splitlines() if args.corpus else []
-    losses = build_tiny_bert(args.out_dir, args.steps, args.seed, corpus, args.whole_word_masking, args.max_words,
-                             args.batch_size, args.hidden_size, args.layers)
-    first, last = (sum(part) / len(part) for part in (losses[:50], losses[-50:]))
-    print(f"masked-LM loss {first:.2f} -> {last:.2f} over {args.steps} steps "
-          f"(perplexity {math.exp(first):.0f} -> {math.exp(last):.0f})")
+    losses, sources = build_tiny_bert(args.out_dir, args.steps, args.seed, corpus, args.whole_word_masking,
+                                      args.max_words, args.batch_size, args.hidden_size, args.layers, vectors,
+                                      args.embedding_rate, args.corpus_words)
+    if sources:
+        print("word vectors per vocabulary entry: " + ", ".join(f"{name} {n:,}" for name, n in sources.most_common()))
+    if losses:
+        first, last = (sum(part) / len(part) for part in (losses[:50], losses[-50:]))
+        print(f"masked-LM loss {first:.2f} -> {last:.2f} over {args.steps} steps "
+              f"(perplexity {math.exp(first):.0f} -> {math.exp(last):.0f})")
 
 
 if __name__ == "__main__":
