@@ -1,14 +1,14 @@
-"""Build the bundled tiny Japanese BERT: a WordPiece vocabulary and a short masked-LM pre-training.
+"""Build the bundled tiny Japanese BERT: a WordPiece vocabulary and word embeddings from chiVe's vectors.
 
 It uses the real classes (BertJapaneseTokenizer with MeCab + unidic-lite, BertModel), so every line of
 the series runs unchanged with the full-size model; it is only far smaller and has read far less text.
-Building is deterministic: the same corpus, seed and steps give byte-identical files.
+Building is deterministic: the same inputs, seed and steps give byte-identical files.
 
-    python -m helpers.tiny_bert OUT_DIR [--steps N]
+    python -m helpers.tiny_bert OUT_DIR [--vectors chive|none] [--steps N --corpus FILE ...]
 
-The bundled model reads the train split only. ``--corpus FILE`` (one sentence per line, e.g. from
-``python -m helpers.corpus``) adds broader text to the vocabulary and to pre-training; the model card beside
-the bundled model reports what that changed.
+The bundled model (the defaults): vocabulary from the train split, word embeddings from chiVe (``helpers.chive``,
+the pinned ja-ginza wheel), the other layers random, no masked-LM pre-training; the model card beside it
+reports what masked-LM pre-training (``--steps``, with ``--corpus`` from ``python -m helpers.corpus``) changed.
 """
 
 from __future__ import annotations
