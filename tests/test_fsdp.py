@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from helpers import fsdp
 from helpers.checkpoint import STATE_FILE, CheckpointError, Checkpoints, read_state, state_dicts_equal
-from helpers.finetune import main, parse_args
+from helpers.finetune import last_json, main, parse_args
 from helpers.net import Net
 from helpers.optim import ParamGroupError, audit_param_groups, two_lr_adam
 
@@ -31,10 +31,6 @@ ARGS = ["--strategy", "fsdp", "--train-examples", str(8 * BATCHES_PER_EPOCH), "-
         "--global-batch-size", "8", "--epochs", str(EPOCHS)]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "-m", "helpers.finetune", *ARGS]
-
-
-def last_json(text: str) -> dict:
-    return next(json.loads(line) for line in reversed(text.strip().splitlines()) if line.startswith("{"))
 
 
 def torchrun(*args) -> dict:
@@ -60,10 +56,11 @@ def runs(tmp_path_factory):
         os.killpg(launcher.pid, signal.SIGKILL)
         assert launcher.wait() == -signal.SIGKILL
     stopped_at = read_state(Checkpoints(killed).latest() / STATE_FILE)["progress"]
-    resumed = torchrun(*saving, "--resume")
+    resumed = torchrun(*saving, "--resume", "--output-dir", str(root / "out-resumed"))
     whole = root / "uninterrupted"
     uninterrupted = torchrun("--check-equivalence", "--checkpoint-dir", str(whole), "--output-dir", str(root / "out"))
-    return {"stopped_at": stopped_at, "resumed": resumed, "uninterrupted": uninterrupted, "root": root}
+    return {"stopped_at": stopped_at, "resumed": resumed, "uninterrupted": uninterrupted, "root": root,
+            "metrics": [json.loads((root / out / "metrics.json").read_text()) for out in ("out-resumed", "out")]}
 
 
 def test_sharded_gradients_and_sgd_step_equal_one_process(runs):
@@ -81,7 +78,7 @@ def test_killed_under_torchrun_and_resumed_ends_bitwise_like_an_uninterrupted_ru
     resumed, uninterrupted = runs["resumed"], runs["uninterrupted"]
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     assert len(set(resumed["weights_sha256"])) == 1
-    losses = [[row["batch_losses"] for row in run["history"]] for run in (resumed, uninterrupted)]
+    losses = [[row["batch_losses"] for row in metrics["history"]] for metrics in runs["metrics"]]  # metrics.json
     assert losses[0] == losses[1] and len(losses[0][0]) == BATCHES_PER_EPOCH
 
 

@@ -95,4 +95,4 @@ def test_only_rank_0_draws_the_progress_bar(capsys, monkeypatch, rank, bar):
     monkeypatch.setenv("RANK", rank)  # as torchrun sets it; helpers.distributed.rank() reads it before a group exists
     net = Net()
     train_epoch(net, make_loader(load_split("train")[:8], load_tokenizer(), 4), two_lr_adam(net))
-    assert ("train: 100%" in capsys.readouterr().err) == bar
+    assert ("train:" in capsys.readouterr().err) == bar  # the bar's last refresh depends on timing: its name does not
