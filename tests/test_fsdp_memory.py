@@ -17,6 +17,13 @@ def test_extrapolation_from_three_and_four_layers_equals_the_trace_of_five():
     assert predict(five, 8, 512, 2) == by_category(trace_fsdp(five, 8, 512, 2))
 
 
+def test_checkpointing_recomputes_each_layer_as_its_forward_ran():
+    small = bert_base_config(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                             vocab_size=512)  # a small vocabulary, so that activations make the peak
+    kept, recomputed = (trace_fsdp(small, 4, 128, 2, checkpointing=flag) for flag in (False, True))
+    assert recomputed["Activation"] < kept["Activation"] / 5
+
+
 def test_table_shards_weights_and_adam_state_but_not_activations():
     table = load_table()
     assert set(table["models"]) == set(MODELS) and set(table["levers"]["fsdp"]) == set(LEVERS)

@@ -1,6 +1,7 @@
 """The memory model against measurement: MemTracker on fake tensors vs the closed form, vs real tensors,
 vs the torch.profiler memory timeline, and DDP's buckets in a real two-process run."""
 
+import contextlib
 import tempfile
 
 import pytest
@@ -151,6 +152,23 @@ def test_amp_emulation_keeps_autocast_dtypes_for_backward():
     assert (2 * 16 * hidden, torch.bfloat16) in kept   # a linear layer's input
     assert (hidden * hidden, torch.bfloat16) in kept   # a weight's autocast copy
     assert model.linear.weight.grad.dtype == torch.float32
+
+
+def test_checkpointed_layers_recompute_under_the_kernels_of_their_forward():
+    """Backward re-runs each checkpointed layer outside the forward's ``with`` block; checkpoint refuses a
+    recomputation that saves other shapes or dtypes (CPU's float dropout masks against 1-byte ones)."""
+    config = bundled_config()
+    torch.manual_seed(0)
+    model = build_model(config, attention="eager", checkpointing=True, device="cpu").train()
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    for kernels in (CudaLikeKernels(byte_masks=True), CudaLikeKernels(byte_masks=False), contextlib.nullcontext()):
+        with kernels:
+            loss = model(input_ids).sum()
+        loss.backward()
+    with CudaLikeKernels(byte_masks=False, fused_attention=True, amp_dtype=torch.bfloat16) as forward:
+        again = CudaLikeKernels.for_recomputation()
+    assert again is not forward and vars(again) == vars(forward)
+    assert isinstance(CudaLikeKernels.for_recomputation(), contextlib.nullcontext)
 
 
 def test_gpu_check_report_states_each_gap_with_its_cause():

@@ -10,7 +10,9 @@ storage inside ``FakeTensorMode``; nothing is allocated.
     python -m helpers.fsdp_memory      # recompute the stored table of predictions (a few minutes)
     torchrun --nproc_per_node=2 -m helpers.fsdp_memory --measure   # on 2 GPUs: what check_fsdp() runs
 
-Like helpers.memory, the traces assume CUDA's 1-byte dropout masks and eager attention (05).
+Like helpers.memory's default (05), the traces keep what CUDA keeps: 1-byte dropout masks and the CUDA SDPA
+kernel (``helpers.memtrace.cuda_sdpa_kernel``: memory-efficient in fp32, flash in bf16), on a batch without
+padding, whose all-ones attention mask transformers drops on real tensors (so none is passed).
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
 
     ``batch_size`` is the per-rank batch. ``Net`` is sharded as helpers.fsdp.shard does (each BertLayer, then
     the root); ``mixed_precision`` computes in bfloat16 (``MixedPrecisionPolicy``; fp32 weights, gradients
-    reduced in fp32). A warm-up step on a small batch creates Adam's state first.
+    reduced in fp32). Attention is traced as the CUDA SDPA kernel, as in helpers.memory's default; the
+    recomputation of ``checkpointing`` runs under the same kernels. A warm-up step on a small batch creates
+    Adam's state first.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -89,7 +93,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
     options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed_precision else {}
     generator = torch.Generator().manual_seed(seed)
     with fake_process_group(world_size) as mesh:
-        model = shard(build_model(config, checkpointing=checkpointing), mesh, **options)
+        model = shard(build_model(config, "sdpa", checkpointing), mesh, **options)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
@@ -97,8 +101,8 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
             def step(size, length):
                 input_ids = torch.randint(0, config.vocab_size, (size, length), generator=generator)
                 labels = torch.randint(0, 2, (size,), generator=generator)
-                with CudaLikeKernels():
-                    loss = nn.functional.cross_entropy(model(input_ids, torch.ones_like(input_ids)), labels)
+                with CudaLikeKernels(fused_attention=True):
+                    loss = nn.functional.cross_entropy(model(input_ids), labels)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -236,7 +240,7 @@ def measure_cuda_rank() -> None:
     def step(batch, tokens):
         input_ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
         labels = torch.randint(0, 2, (batch,), device=device)
-        nn.functional.cross_entropy(model(input_ids, torch.ones_like(input_ids)), labels).backward()
+        nn.functional.cross_entropy(model(input_ids), labels).backward()
         optimizer.step()
         optimizer.zero_grad()
 

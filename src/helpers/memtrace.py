@@ -85,6 +85,8 @@ class CudaLikeKernels(TorchFunctionMode):
     including its cache of the parameters' low-precision copies, which lives until the ``with`` block ends.
     """
 
+    _active: list[CudaLikeKernels] = []  # the kernels entered and not yet left, innermost last
+
     def __init__(self, byte_masks: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None):
         super().__init__()
         self.byte_masks = byte_masks
@@ -92,9 +94,25 @@ class CudaLikeKernels(TorchFunctionMode):
         self.amp_dtype = amp_dtype
         self._casts = {}
 
+    def __enter__(self):
+        CudaLikeKernels._active.append(self)
+        return super().__enter__()
+
     def __exit__(self, *exc):
+        CudaLikeKernels._active.remove(self)
         self._casts.clear()
         return super().__exit__(*exc)
+
+    @classmethod
+    def for_recomputation(cls):
+        """What a checkpointed layer's recomputation in backward runs under: fresh kernels with the settings of
+        the innermost ``CudaLikeKernels`` active now, at its forward (CUDA's checkpoint likewise re-enters the
+        forward's autocast state, with a new cast cache), or nothing where the forward runs under none.
+        Backward runs outside the forward's ``with`` block, so the recomputation must re-enter it itself."""
+        if not cls._active:
+            return contextlib.nullcontext()
+        forward = cls._active[-1]
+        return cls(forward.byte_masks, forward.fused_attention, forward.amp_dtype)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -223,14 +241,14 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     return StepMemory(after_forward, backward_peak, by_category(tracker.get_tracker_snapshot("peak")))
 
 
-def build_model(config, attention: str = "sdpa", checkpointing: bool = False, cuda_dropout: bool = True,
-                amp_dtype: torch.dtype | None = None, device: str = "meta") -> NetFromConfig:
+def build_model(config, attention: str = "sdpa", checkpointing: bool = False, device: str = "meta") -> NetFromConfig:
     """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
 
     ``attention="sdpa"`` (transformers' default) calls ``scaled_dot_product_attention``, traced as the kernel
     CUDA picks (``cuda_sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T) in Python and
     keeps the probabilities for backward. ``checkpointing`` recomputes each encoder layer's forward during
-    backward instead of keeping it; the recomputation runs with the same ``CudaLikeKernels`` as the forward.
+    backward instead of keeping it; the recomputation runs under the ``CudaLikeKernels`` settings the forward
+    ran under (``CudaLikeKernels.for_recomputation``), so that it saves what the forward saved.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
@@ -238,8 +256,8 @@ def build_model(config, attention: str = "sdpa", checkpointing: bool = False, cu
     with torch.device(device):
         model = NetFromConfig(config)
     if checkpointing:
-        def contexts():
-            return contextlib.nullcontext(), CudaLikeKernels(cuda_dropout, attention == "sdpa", amp_dtype)
+        def contexts():  # called at each checkpointed layer's forward
+            return contextlib.nullcontext(), CudaLikeKernels.for_recomputation()
 
         model.bert.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
     return model
@@ -251,7 +269,7 @@ def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa"
     with ``to_empty`` inside ``FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model = build_model(config, attention, checkpointing, cuda_dropout, amp_dtype)
+    model = build_model(config, attention, checkpointing)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size, cuda_dropout=cuda_dropout,
