@@ -7,8 +7,8 @@ DEV_STAMP := $(VENV)/.installed-dev
 MODEL := src/helpers/assets/tiny-japanese-bert
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-# Stored notebook outputs must not depend on progress bars or hub look-ups (conftest.py sets the same for pytest).
-NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
+# Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit (conftest.py sets the same for pytest).
+NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0 HELPERS_MAX_EXAMPLES=
 NBVAL := --nbval --nbval-current-env
 # make test NB=03  (or NB="03 solutions/03", or a path): those notebooks only, under nbval, without the unit tests
 NB_FILES := $(foreach nb,$(NB),$(or $(wildcard $(nb)),$(wildcard notebooks/$(nb)*.ipynb),$(error NB=$(nb): no notebook notebooks/$(nb)*.ipynb)))

@@ -1,6 +1,7 @@
 """The bundled data set: large enough, balanced, and no sentence leaks across splits, exactly or nearly."""
 
 import itertools
+import re
 import unicodedata
 
 import pytest
@@ -41,3 +42,15 @@ def test_data_card_states_the_sizes():
     card = (bundled_data_dir() / "DATA_CARD.md").read_text(encoding="utf-8")
     for split in SPLITS:
         assert f"| {split} | {len(load_split(split))} |" in card
+
+
+def test_max_examples_takes_the_first_n_of_each_split(monkeypatch):
+    full = {split: load_split(split) for split in SPLITS}
+    monkeypatch.setenv("HELPERS_MAX_EXAMPLES", "5")
+    assert all(load_split(split) == full[split][:5] for split in SPLITS)
+    monkeypatch.setenv("HELPERS_MAX_EXAMPLES", str(10**6))
+    assert all(load_split(split) == full[split] for split in SPLITS)
+    for bad in ("0", "-3", "ten", "2.5"):
+        monkeypatch.setenv("HELPERS_MAX_EXAMPLES", bad)
+        with pytest.raises(ValueError, match=rf"^HELPERS_MAX_EXAMPLES='{re.escape(bad)}': expected a whole number"):
+            load_split("train")

@@ -13,8 +13,8 @@ def test_missing_gpus_print_the_skip_line(capsys, monkeypatch):
     assert has_gpus(1) is False
     assert has_gpus(2) is False
     assert capsys.readouterr().out == (
-        "skipped: needs 1 CUDA GPU, this machine has 0\n"
-        "skipped: needs 2 CUDA GPUs, this machine has 0\n"
+        "skipped: needs 1 CUDA GPU, torch sees 0\n"
+        "skipped: needs 2 CUDA GPUs, torch sees 0\n"
     )
 
 
@@ -22,7 +22,7 @@ def test_this_machine_without_cuda(capsys):
     if torch.cuda.device_count():
         pytest.skip("this machine has CUDA GPUs")
     assert has_gpus(1) is False
-    assert capsys.readouterr().out == "skipped: needs 1 CUDA GPU, this machine has 0\n"
+    assert capsys.readouterr().out == "skipped: needs 1 CUDA GPU, torch sees 0\n"
 
 
 def test_enough_gpus_print_nothing(capsys, monkeypatch):
@@ -31,4 +31,4 @@ def test_enough_gpus_print_nothing(capsys, monkeypatch):
     assert has_gpus(1) is True
     assert capsys.readouterr().out == ""
     assert has_gpus(3) is False
-    assert capsys.readouterr().out == "skipped: needs 3 CUDA GPUs, this machine has 2\n"
+    assert capsys.readouterr().out == "skipped: needs 3 CUDA GPUs, torch sees 2\n"

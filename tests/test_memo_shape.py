@@ -3,7 +3,9 @@
 The model is built here, offline, by helpers.memo_shape: hidden size 768, 12 heads and a tokenizer_config
 that names no dictionary (so IPAdic is chosen), random weights. One layer instead of twelve, a feed-forward
 width of 64 instead of 3072 and only the tokens the bundled sentences use instead of the v1 vocabulary of
-32000 keep it fast (the training runs of 02, 06 and 07 dominate the time). Each notebook is executed in a
+32000 keep it fast, and so does HELPERS_MAX_EXAMPLES: every split is cut to its first 96 examples, so the
+training runs of 02 and 06 to 08 take a few steps instead of a few hundred (what this checks is that every
+cell runs at width 768, not what it prints: the accuracies are not compared). Each notebook is executed in a
 temporary copy in a folder of its own (stored outputs are never touched): a cell meant to raise must raise
 the exception type it raises with the bundled model, and no other cell may fail. Two notebooks that load
 no model on a machine without a GPU are left out (see below).
@@ -74,7 +76,7 @@ def errors_of(cell) -> list[str]:
 def executed(memo_shaped_model_for_notebooks, tmp_path_factory) -> dict:
     """Every notebook run with the stand-in, two at a time with one thread each: a small notebook's time is
     mostly one core starting a kernel and importing, so two side by side take about half as long on 2 cores."""
-    env = {"BERT_MODEL": str(memo_shaped_model_for_notebooks),
+    env = {"BERT_MODEL": str(memo_shaped_model_for_notebooks), "HELPERS_MAX_EXAMPLES": "96",
            "OMP_NUM_THREADS": "1"}  # one core each: two kernels with two threads each would fight
     out_dir = tmp_path_factory.mktemp("executed")
 

@@ -3,7 +3,7 @@
 import pynvml
 import torch
 
-from helpers.system import device_summary, library_versions, nvml_status
+from helpers.system import device_summary, japanese_fonts, library_versions, nvml_status, shows_japanese
 
 
 def test_versions_name_the_series_libraries():
@@ -34,3 +34,23 @@ def test_device_summary_matches_torch():
     summary = device_summary()
     assert summary["cuda_available"] == torch.cuda.is_available()
     assert len(summary["cuda_devices"]) == torch.cuda.device_count()
+
+
+def test_a_latin_font_cannot_show_japanese(tmp_path):
+    import matplotlib
+    from pathlib import Path
+
+    dejavu = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"  # ships with matplotlib
+    assert dejavu.exists()
+    assert shows_japanese(str(dejavu)) is False
+    (tmp_path / "broken.ttf").write_bytes(b"not a font")
+    assert shows_japanese(str(tmp_path / "broken.ttf")) is False
+
+
+def test_japanese_fonts_are_the_ones_with_the_glyphs(monkeypatch):
+    from matplotlib import font_manager
+
+    found = japanese_fonts()
+    assert all(shows_japanese(path) for path in found.values())
+    monkeypatch.setattr(font_manager, "findSystemFonts", lambda: [])
+    assert japanese_fonts() == {}

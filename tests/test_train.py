@@ -1,5 +1,7 @@
 """The training loop really trains, and evaluate() measures what it says."""
 
+import functools
+
 import pytest
 import torch
 from transformers import set_seed
@@ -55,7 +57,10 @@ def test_input_device_follows_the_parameters_and_dataparallel():
 def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
     tokenizer = load_tokenizer()
     loader = make_loader(load_split("train")[:8], tokenizer, 4)
-    for wrap in (torch.nn.DataParallel, torch.compile):
+    # aot_eager: TorchDynamo traces and AOTAutograd builds the backward graph, as with the default backend,
+    # but no C++ is generated and compiled (that took over a minute on 2 cores and tests nothing of ours).
+    compile_without_codegen = functools.partial(torch.compile, backend="aot_eager")
+    for wrap in (torch.nn.DataParallel, compile_without_codegen):
         set_seed(0)
         net = Net()
         before = net.linear.weight.detach().clone()

@@ -328,13 +328,22 @@ class Checkpoints:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-            path = save_checkpoint(self.directory / f"step-{progress.step:06d}", model, optimizer, scheduler,
-                                   progress=progress, per_process=per_process, labels=self.labels)
+        path = self.write(self.directory / f"step-{progress.step:06d}", model, optimizer, scheduler, progress,
+                          per_process)
+        if rank() == 0:
             write_text_atomic(self.directory / "latest", path.name + "\n")
             if best:
                 write_text_atomic(self.directory / "best", path.name + "\n")
             self.remove_old()
         barrier()
+
+    def write(self, path: Path, model: nn.Module, optimizer, scheduler, progress: Progress,
+              per_process: list) -> Path:
+        """Rank 0 writes the whole checkpoint: under DDP every process holds the same weights."""
+        if rank() == 0:
+            save_checkpoint(path, model, optimizer, scheduler, progress=progress, per_process=per_process,
+                            labels=self.labels)
+        return path
 
     def remove_old(self) -> None:
         kept = {self.latest(), self.best()}
@@ -356,14 +365,25 @@ class Checkpoints:
         path = self.latest()
         if path is None:
             return Progress(), None
-        state = load_checkpoint(path, model, optimizer, scheduler)
-        if len(state["per_process"]) != world_size():
-            raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
-                                  f"with {world_size()}; resume with the same number to continue exactly")
+        state = self.load(path, model, optimizer, scheduler)
         mine = state["per_process"][rank()]
         progress = Progress(**state["progress"], **{key: mine[key] for key in PER_PROCESS})
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None
+
+
+    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
+        """Load checkpoint ``path`` into a run with as many processes as saved it; returns its state."""
+        state = load_checkpoint(path, model, optimizer, scheduler)
+        check_process_count(path, state)
+        return state
+
+
+def check_process_count(path: Path, state: dict, hint: str = "") -> None:
+    """Resuming exactly needs every process's own random state back, so as many processes as saved it."""
+    if len(state["per_process"]) != world_size():
+        raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
+                              f"with {world_size()}; resume with the same number to continue exactly{hint}")
 
 
 def epoch_start_state(loader) -> dict:

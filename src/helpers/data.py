@@ -6,6 +6,7 @@ import codecs
 import csv
 import io
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.resources import files
@@ -20,6 +21,7 @@ LABELS = ("negative", "positive")
 SPLITS = ("train", "validation", "test")
 DATASET = "sentiment_ja"
 EXAMPLE_DATASET = "helpdesk_ja"  # train.csv, validation.csv, test.csv: three help-desk classes
+MAX_EXAMPLES = "HELPERS_MAX_EXAMPLES"  # environment variable: use only the first N examples of each split
 
 _DELIMITERS = {".tsv": "\t", ".txt": "\t", ".csv": ","}  # .txt: Excel's "Unicode text" is tab-separated
 _JSON_LINES = (".jsonl", ".ndjson")
@@ -61,10 +63,24 @@ def bundled_data_dir(name: str = DATASET) -> Path:
 
 
 def load_split(split: str) -> list[Example]:
-    """One split of the bundled data set: "train", "validation" or "test"."""
+    """One split of the bundled data set: "train", "validation" or "test".
+
+    With the environment variable HELPERS_MAX_EXAMPLES=N, only the split's first N examples: a quick dry run
+    of the series (the memo's BERT-base on a CPU, say), whose accuracies then mean nothing.
+    """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return load_examples(bundled_data_dir() / f"{split}.tsv")
+    return load_examples(bundled_data_dir() / f"{split}.tsv")[:max_examples()]
+
+
+def max_examples() -> int | None:
+    """HELPERS_MAX_EXAMPLES as a number, or None when it is not set."""
+    value = os.environ.get(MAX_EXAMPLES, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{MAX_EXAMPLES}={value!r}: expected a whole number of examples, at least 1 (or unset it)")
+    return int(value)
 
 
 def load_examples(path: str | Path, *, encoding: str | None = None,

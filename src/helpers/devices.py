@@ -13,5 +13,5 @@ def has_gpus(n: int) -> bool:
     count = torch.cuda.device_count()
     if count >= n:
         return True
-    print(f"skipped: needs {n} CUDA GPU{'s' if n != 1 else ''}, this machine has {count}")
+    print(f"skipped: needs {n} CUDA GPU{'s' if n != 1 else ''}, torch sees {count}")
     return False

@@ -23,9 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from helpers.checkpoint import (PER_PROCESS, STATE_FILE, TEMPORARY_PREFIX, CheckpointError, Checkpoints, Progress,
-                                fsync_dir, fsync_file, gather, read_state, rng_state, set_epoch_start_state,
-                                write_text_atomic)
+from helpers.checkpoint import (STATE_FILE, TEMPORARY_PREFIX, CheckpointError, Checkpoints, Progress,
+                                check_process_count, fsync_dir, fsync_file, read_state)
 from helpers.distributed import rank, world_size
 
 STRATEGIES = ("ddp", "fsdp")
@@ -210,41 +209,22 @@ class ShardedCheckpoints(Checkpoints):
     (each gets its own random state back); loading the weights alone (``load_sharded``) does not.
     """
 
-    def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False) -> None:
-        per_process = gather({"rng": rng_state()} | {key: getattr(progress, key) for key in PER_PROCESS})
-        if rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        dist.barrier()
-        path = save_sharded(self.directory / f"step-{progress.step:06d}", model, optimizer,
-                            {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                             "progress": progress.shared(), "per_process": per_process})
-        if rank() == 0:
-            write_text_atomic(self.directory / "latest", path.name + "\n")
-            if best:
-                write_text_atomic(self.directory / "best", path.name + "\n")
-            self.remove_old()
-        dist.barrier()
+    def write(self, path: Path, model: nn.Module, optimizer, scheduler, progress: Progress,
+              per_process: list) -> Path:
+        """Every rank writes its own shards; rank 0 also the scheduler, progress and random states."""
+        dist.barrier()  # rank 0 has removed what a killed save left behind
+        return save_sharded(path, model, optimizer, {"scheduler": scheduler.state_dict() if scheduler is not None
+                                                     else None, "progress": progress.shared(),
+                                                     "per_process": per_process})
 
-    def resume(self, model: nn.Module, optimizer, scheduler, loader) -> tuple[Progress, dict | None]:
-        dist.barrier()
-        path = self.latest()
-        if path is None:
-            return Progress(), None
+    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
         check_sharded(path)
         state = read_state(path / STATE_FILE)
-        if len(state["per_process"]) != world_size():
-            raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
-                                  f"with {world_size()}; resume with the same number to continue exactly "
-                                  f"(helpers.fsdp.load_sharded loads the weights into any number)")
+        check_process_count(path, state, " (helpers.fsdp.load_sharded loads the weights into any number)")
         load_sharded(path, model, optimizer)
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
-        mine = state["per_process"][rank()]
-        progress = Progress(**state["progress"], **{key: mine[key] for key in PER_PROCESS})
-        set_epoch_start_state(loader, mine["epoch_start"])
-        return progress, mine["rng"] if progress.batch else None
+        return state
 
 
 # --- equivalence with one process ------------------------------------------------------------------------

@@ -184,32 +184,21 @@ def plot_per_rank(table: dict, cards_gib=(16, 24, 40, 80)):
     """One panel per model: DDP and FSDP on each GPU count, stacked by category (GiB), cards as dashed lines."""
     import matplotlib.pyplot as plt
 
-    from helpers.memory import COLORS
+    from helpers.memory import COLORS, legend_above, stacked_bars
 
-    colors = COLORS | {"gathered": "tab:cyan"}
     models = table["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)
     for ax, (name, entry) in zip(axes[0], models.items()):
         bars = {"DDP": entry["ddp"]} | {f"FSDP\n{n} GPUs": value for n, value in entry["fsdp"].items()}
-        bottom = [0.0] * len(bars)
-        for category, color in colors.items():
-            heights = [bar.get(category, 0) / GIB for bar in bars.values()]
-            if any(heights):
-                ax.bar(list(bars), heights, bottom=bottom, color=color, label=category)
-                bottom = [b + h for b, h in zip(bottom, heights)]
+        heights = stacked_bars(ax, bars, COLORS | {"gathered": "tab:cyan"})
         for card in cards_gib:
-            if card < 1.15 * max(bottom):
+            if card < 1.15 * max(heights):
                 ax.axhline(card, color="black", linestyle="--", linewidth=0.8)
                 ax.text(len(bars) - 0.5, card, f"{card} GB", fontsize=7, va="bottom", ha="right")
         ax.set_title(f"{name} ({entry['parameters'] / 1e6:,.0f} M parameters)", fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     axes[0][0].set_ylabel("GiB per GPU (predicted)")
-    handles = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    legend_above(fig, axes[0])
     return fig
 
 

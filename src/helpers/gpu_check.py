@@ -170,7 +170,9 @@ def check_memory(batch_sizes=(8, 16, 32), seq_lens=(128, 512)) -> list[tuple[boo
     return results
 
 
-NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+# As make notebooks runs them (Makefile's NB_ENV): no progress bars, no hub, every example of the bundled data.
+NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
+                "HELPERS_MAX_EXAMPLES": ""}
 
 
 def series_notebooks() -> list[Path]:

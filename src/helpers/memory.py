@@ -143,29 +143,36 @@ def plot_per_device(panels: dict[str, dict[str, list[dict[str, int]]]], limit_gi
     fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths), 3.8), sharey=True, squeeze=False,
                              gridspec_kw={"width_ratios": widths})
     for ax, (title, settings) in zip(axes[0], panels.items()):
-        labels, bars = [], []
-        for setting, devices in settings.items():
-            for gpu, device in enumerate(devices):
-                labels.append(f"{setting}\nGPU{gpu}" if len(devices) > 1 else setting)
-                bars.append(device)
-        bottom = [0.0] * len(bars)
-        for category, color in COLORS.items():
-            heights = [bar.get(category, 0) / 2**30 for bar in bars]
-            if any(heights):
-                ax.bar(labels, heights, bottom=bottom, color=color, label=category)
-                bottom = [b + h for b, h in zip(bottom, heights)]
+        stacked_bars(ax, {f"{setting}\nGPU{gpu}" if len(devices) > 1 else setting: device
+                          for setting, devices in settings.items() for gpu, device in enumerate(devices)})
         if limit_gib:
             ax.axhline(limit_gib, color="black", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8, rotation=30 if max(map(len, settings)) > 6 else 0)
     axes[0][0].set_ylabel("GiB")
-    handles, names = {}, {}
-    for ax in axes[0]:
+    legend_above(fig, axes[0])
+    return fig
+
+
+def stacked_bars(ax, bars: dict[str, dict[str, int]], colors: dict[str, str] = COLORS) -> list[float]:
+    """One bar per entry of ``bars`` (label: bytes by category), stacked by category in GiB; returns the heights."""
+    bottom = [0.0] * len(bars)
+    for category, color in colors.items():
+        heights = [bar.get(category, 0) / 2**30 for bar in bars.values()]
+        if any(heights):
+            ax.bar(list(bars), heights, bottom=bottom, color=color, label=category)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    return bottom
+
+
+def legend_above(fig, axes) -> None:
+    """One legend above all the panels, naming each category once."""
+    handles = {}
+    for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(name, handle)
     fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
-    return fig
 
 
 def memo_chart(path: str) -> None:

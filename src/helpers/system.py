@@ -1,4 +1,4 @@
-"""What this machine offers the series: library versions, CPUs, GPUs, and whether NVML answers."""
+"""What this machine offers the series: library versions, CPUs, GPUs, whether NVML answers, Japanese fonts."""
 
 from __future__ import annotations
 
@@ -40,3 +40,29 @@ def device_summary() -> dict[str, object]:
         "cuda_devices": gpus,
         "nvml": nvml_status(),
     }
+
+
+def shows_japanese(path: str) -> bool:
+    """Whether the font file has glyphs for all of 「日本語」 (a file FreeType cannot open counts as no)."""
+    from matplotlib.ft2font import FT2Font
+
+    try:
+        font = FT2Font(path)
+    except (OSError, RuntimeError):
+        return False
+    return all(font.get_char_index(ord(char)) for char in "日本語")
+
+
+def japanese_fonts() -> dict[str, str]:
+    """The installed fonts that can show Japanese, name: file, registered with matplotlib so charts can use them.
+
+    The system's fonts are scanned at each call, so a font installed after matplotlib built its cache counts.
+    """
+    from matplotlib import font_manager
+
+    found = {}
+    for path in sorted(font_manager.findSystemFonts()):
+        if shows_japanese(path):
+            font_manager.fontManager.addfont(path)
+            found.setdefault(font_manager.FontProperties(fname=path).get_name(), path)
+    return found
