@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
             # load with helpers.predict.load_classifier (labels too) or helpers.checkpoint.load_checkpoint
             save_checkpoint(args.output_dir / "model", weights, labels=data.labels)
         print(json.dumps(summary(result)), flush=True)  # short; metrics.json has every batch's loss
+    # Free DDP's reducer while the process group still exists: freed after destroy_process_group, as main returns,
+    # it sometimes never returned (gloo, a busy 2-core CPU: the worker hung after printing the summary).
+    del model
     dist.barrier()  # no rank leaves before rank 0 has written its files
     dist.destroy_process_group()
     return result
