@@ -371,7 +371,6 @@ class Checkpoints:
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None
 
-
     def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
         """Load checkpoint ``path`` into a run with as many processes as saved it; returns its state."""
         state = load_checkpoint(path, model, optimizer, scheduler)

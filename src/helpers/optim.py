@@ -34,23 +34,20 @@ def learning_rates_for(config) -> tuple[float, float]:
     return 5e-4, 1e-3
 
 
-def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Check that every trainable parameter of ``model`` sits in exactly one group; one row per group.
-
-    Raises ParamGroupError naming the parameters that are missing, in two groups, or not the model's.
-    """
-    names = {id(p): name for name, p in model.named_parameters()}
-    groups_of: dict[int, list[int]] = {}
-    rows = []
+def groups_by_tensor(optimizer: torch.optim.Optimizer) -> dict[int, list[int]]:
+    """The indices of the groups holding each tensor of ``optimizer``, keyed by ``id`` (``==`` compares values)."""
+    groups: dict[int, list[int]] = {}
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            groups_of.setdefault(id(p), []).append(index)
-        rows.append({
-            "group": group.get("name", str(index)),
-            "tensors": len(group["params"]),
-            "params": sum(p.numel() for p in group["params"]),
-            "lr": group["lr"],
-        })
+            groups.setdefault(id(p), []).append(index)
+    return groups
+
+
+def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Check that every trainable parameter of ``model`` sits in exactly one group; returns param_group_rows.
+    Raises ParamGroupError naming the parameters that are missing, in two groups, or not the model's."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups_of = groups_by_tensor(optimizer)
     problems = []
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in groups_of]
     if missing:
@@ -63,11 +60,18 @@ def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
         problems.append(f"{strangers} tensor(s) that are not parameters of {type(model).__name__}")
     if problems:
         raise ParamGroupError("; ".join(problems))
-    return rows
+    return param_group_rows(optimizer)
+
+
+def param_group_rows(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """One row per group: its name (or index), how many tensors and parameters it holds, and its learning rate."""
+    return [{"group": group.get("name", str(index)), "tensors": len(group["params"]),
+             "params": sum(p.numel() for p in group["params"]), "lr": group["lr"]}
+            for index, group in enumerate(optimizer.param_groups)]
 
 
 def format_param_groups(rows: list[dict]) -> str:
-    """The rows of ``audit_param_groups`` as a fixed-width table."""
+    """The rows of ``param_group_rows`` (``audit_param_groups`` returns them) as a fixed-width table."""
     lines = [f"{'group':<10}{'tensors':>8}{'params':>12}{'lr':>10}"]
     lines += [f"{r['group']:<10}{r['tensors']:>8}{r['params']:>12,}{r['lr']:>10.0e}" for r in rows]
     lines.append(f"{'total':<10}{sum(r['tensors'] for r in rows):>8}{sum(r['params'] for r in rows):>12,}")
