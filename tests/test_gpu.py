@@ -157,6 +157,6 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_0():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; make gpu-check runs the real check")
-    result = subprocess.run([sys.executable, "-m", "helpers.gpu_check"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "helpers.checks.gpu_check"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout == "gpu-check: skipped, no CUDA device on this machine (nothing to check here)\n"

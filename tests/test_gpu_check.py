@@ -1,6 +1,6 @@
 """make gpu-check's report, exit status and notebook-cell reporting, checked on the CPU with given check results.
 
-The GPU checks themselves run real processes (helpers.training_checks); their CPU runs are in test_finetune.py and
+The GPU checks themselves run real processes (helpers.checks.training_checks); their CPU runs are in test_finetune.py and
 test_resume.py. Nothing here pretends that a GPU exists.
 """
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers.gpu_check import first_failing_cell, report, run_checks
+from helpers.checks.gpu_check import first_failing_cell, report, run_checks
 
 MACHINE = {"gpus": 2, "names": ["GPU A", "GPU B"], "torch": "2.13.0", "cuda": "12.8", "python": "3.11.7"}
 
@@ -67,14 +67,14 @@ def test_the_first_unexpected_error_is_named_by_cell_index(tmp_path):
 def test_without_cuda_the_json_report_says_skipped(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; make gpu-check runs the real check")
-    run = subprocess.run([sys.executable, "-m", "helpers.gpu_check", "--json", str(tmp_path / "r.json")],
+    run = subprocess.run([sys.executable, "-m", "helpers.checks.gpu_check", "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.count("\n") == 1
     assert json.loads((tmp_path / "r.json").read_text())["result"] == "skipped"
 
 
 def test_the_one_gpu_copy_changes_device_ids_in_code_only(tmp_path):
-    from helpers.gpu_check import ROOT, one_gpu_copy
+    from helpers.checks.gpu_check import ROOT, one_gpu_copy
 
     target = tmp_path / "04.ipynb"
     assert one_gpu_copy(ROOT / "notebooks" / "04_fix_with_module.ipynb", target)

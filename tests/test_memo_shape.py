@@ -1,6 +1,6 @@
 """Every notebook and solution runs with a model of the memo's shape, as a reader who sets BERT_MODEL runs them.
 
-The model is built here, offline, by helpers.memo_shape: hidden size 768, 12 heads and a tokenizer_config
+The model is built here, offline, by helpers.build.memo_shape: hidden size 768, 12 heads and a tokenizer_config
 that names no dictionary (so IPAdic is chosen), random weights. One layer instead of twelve, a feed-forward
 width of 64 instead of 3072 and only the tokens the bundled sentences use instead of the v1 vocabulary of
 32000 keep it fast, and so does HELPERS_MAX_EXAMPLES: every split is cut to its first 96 examples, so the
@@ -19,8 +19,8 @@ import nbformat
 import pytest
 from transformers import BertConfig
 
-from helpers.gpu_check import execute_copy, series_notebooks
-from helpers.memo_shape import VOCAB_SIZE, build_memo_shaped_bert
+from helpers.checks.gpu_check import execute_copy, series_notebooks
+from helpers.build.memo_shape import VOCAB_SIZE, build_memo_shaped_bert
 from helpers.models import load_bert, load_tokenizer, resolve_model
 
 NOTEBOOK_DIR = Path(__file__).parents[1] / "notebooks"
@@ -34,7 +34,7 @@ LOADS_A_MODEL = ("Net(", "load_tokenizer", "load_bert", "from_pretrained", "help
 
 @pytest.fixture(scope="session")
 def memo_shaped_model(tmp_path_factory):
-    """What ``python -m helpers.memo_shape`` writes, with one layer: the v1 vocabulary size included."""
+    """What ``python -m helpers.build.memo_shape`` writes, with one layer: the v1 vocabulary size included."""
     return build_memo_shaped_bert(tmp_path_factory.mktemp("memo-shaped-bert"), num_layers=1)
 
 

@@ -172,7 +172,8 @@ def test_checkpointed_layers_recompute_under_the_kernels_of_their_forward():
 
 
 def test_gpu_check_report_states_each_gap_with_its_cause():
-    from helpers.gpu_check import CudaPeak, compare, gap_causes
+    from helpers.checks.gpu_check import compare, gap_causes
+    from helpers.cuda_step import CudaPeak
 
     gib = 2**30
     ok, line = compare("1 GPU, memory-efficient, fp32, B=8, L=128", 2 * gib, int(2.05 * gib))

@@ -18,7 +18,7 @@ from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
 from helpers.train import fit
-from helpers.training_checks import RESUME_RUN, finetune_command, kill_and_resume, resume_line
+from helpers.checks.training_checks import RESUME_RUN, finetune_command, kill_and_resume, resume_line
 
 EPOCHS, BATCHES_PER_EPOCH, SAVE_EVERY = 2, 8, 3
 

@@ -11,8 +11,8 @@ from transformers import BertJapaneseTokenizer, BertModel
 
 from helpers.data import load_split
 from helpers.models import bundled_model_dir, load_bert, load_tokenizer
-from helpers import chive
-from helpers.tiny_bert import SPECIAL_TOKENS, build_tiny_bert, build_vocab, bundled_alphabet, unidic_lemma, vector_for
+from helpers.build import chive
+from helpers.build.tiny_bert import SPECIAL_TOKENS, build_tiny_bert, build_vocab, bundled_alphabet, unidic_lemma, vector_for
 
 
 class FakeVectors:
@@ -63,7 +63,7 @@ def test_bundled_vocab_file_matches_the_builder():
 
 
 def test_whole_word_masking_picks_every_piece_of_a_word_together():
-    from helpers.tiny_bert import mask_tokens
+    from helpers.build.tiny_bert import mask_tokens
 
     # [CLS] w ##x ##y w ##z w [SEP], many rows: a word's pieces are chosen together or not at all.
     ids = torch.tensor([[2, 10, 11, 12, 13, 14, 15, 3]] * 400)
@@ -106,7 +106,7 @@ def test_size_options_keep_bert_base_proportions(tmp_path):
 
 
 def test_a_width_the_heads_cannot_split_is_refused_before_building(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "helpers.tiny_bert", str(tmp_path / "m"), "--hidden-size", "100",
+    result = subprocess.run([sys.executable, "-m", "helpers.build.tiny_bert", str(tmp_path / "m"), "--hidden-size", "100",
                              "--cache", str(tmp_path / "cache")],
                             capture_output=True, text=True)
     assert result.returncode == 2

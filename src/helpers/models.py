@@ -1,7 +1,7 @@
 """Choose a BERT model by name or path, and load it with the tokenizer dictionary it was trained with.
 
 One setting picks the model: the ``model`` argument, else the ``BERT_MODEL`` environment variable,
-else the tiny Japanese BERT bundled with this package (offline, built by ``helpers.tiny_bert``).
+else the tiny Japanese BERT bundled with this package (offline, built by ``helpers.build.tiny_bert``).
 """
 
 from __future__ import annotations

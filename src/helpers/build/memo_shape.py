@@ -6,7 +6,7 @@ dictionary. The stand-in copies all of that (with fewer layers on request): its 
 bundled sentences' IPAdic words and characters, padded with placeholder tokens to 32000. It shows what
 changes in the series with the real model, and what a step costs, without the hub.
 
-    python -m helpers.memo_shape OUT_DIR [--layers N]
+    python -m helpers.build.memo_shape OUT_DIR [--layers N]
     BERT_MODEL=OUT_DIR make lab
 """
 
@@ -21,7 +21,7 @@ from transformers import BertConfig, BertModel
 from transformers.utils import logging as transformers_logging
 
 from helpers.data import load_split
-from helpers.tiny_bert import build_vocab, bundled_alphabet
+from helpers.build.tiny_bert import build_vocab, bundled_alphabet
 
 VOCAB_SIZE = 32000
 TOKENIZER_CONFIG = {  # as the v1 models were saved, before transformers 4.46: no dictionary named

