@@ -58,8 +58,10 @@ notebooks: $(STAMP)
 	done
 
 # The static site, from the notebooks' stored outputs (nothing is re-executed): open build/site/index.html
+# Outputs of notebooks executed on a GPU (folders in docs/gpu-runs/, written by gpu-check --keep) show in tabs beside
+# the stored ones: every folder there by default, GPU_RUNS="DIR1 DIR2" to choose, GPU_RUNS= for none.
 docs: $(DEV_STAMP)
-	$(BIN)/python docs/build.py build/site
+	$(BIN)/python docs/build.py build/site $(if $(filter undefined,$(origin GPU_RUNS)),,--gpu-runs $(GPU_RUNS))
 
 # Side-by-side timings; writes benchmarks/results.md and the table in README.md. BENCH_ARGS="--repeats 5"
 bench: $(DEV_STAMP)

@@ -3,10 +3,15 @@
 Sphinx reads one source folder, so the notebooks are staged next to ``docs/`` (copied, never run) and the
 index gets its learning path from the notebooks themselves: each one's ``# title`` and the italic English
 summary under it. A new notebook therefore appears on the site without editing anything here.
+
+Notebooks executed on a GPU elsewhere (folders in docs/gpu-runs/, see helpers.checks.gpu_runs) add their outputs
+beside the stored ones, in tabs (docs/_ext/gpu_outputs.py); ``--gpu-runs`` picks the folders, every one by default,
+and ``--gpu-runs`` with none builds the site from the stored outputs alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -16,7 +21,13 @@ from pathlib import Path
 
 from sphinx.cmd.build import build_main
 
+from helpers.checks import gpu_runs
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+import gpu_outputs  # noqa: E402  (docs/_ext is Sphinx's extension folder, not a package)
+
+MAX_GPU_RUNS = 5  # tabs per cell: the stored output and up to this many runs (docs/_ext/gpu_outputs.css)
 MARKER = "<!-- NOTEBOOK LIST: filled in by docs/build.py from each notebook's title and English summary -->"
 
 
@@ -65,14 +76,34 @@ def learning_path(pages: list[Page]) -> str:
     return "\n".join(lines)
 
 
-def stage(stage_dir: Path, root: Path = ROOT) -> list[Page]:
-    """Copy docs/ and the notebooks into ``stage_dir``, with the learning path written into the index."""
+def all_gpu_runs(root: Path = ROOT) -> list[Path]:
+    """Every folder in docs/gpu-runs/, oldest first (their names start with the date)."""
+    return sorted(path for path in (root / "docs" / "gpu-runs").glob("*") if path.is_dir())
+
+
+def stage_notebook(source: Path, target: Path, runs: list[gpu_runs.GpuRun], relative: str) -> None:
+    """Copy one notebook, with the runs' outputs merged in where a page should show them."""
+    if not runs:
+        shutil.copy2(source, target)
+        return
+    notebook = gpu_outputs.merge(json.loads(source.read_text(encoding="utf-8")),
+                                 [(run, run.notebook(relative)) for run in runs])
+    target.write_text(json.dumps(notebook, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+def stage(stage_dir: Path, root: Path = ROOT, gpu_run_folders: list[Path] | None = None) -> list[Page]:
+    """Copy docs/ and the notebooks into ``stage_dir``, with the learning path written into the index and the GPU
+    runs' outputs merged into the notebooks (``None``: every folder in docs/gpu-runs/)."""
+    folders = all_gpu_runs(root) if gpu_run_folders is None else gpu_run_folders
+    if len(folders) > MAX_GPU_RUNS:
+        raise ValueError(f"{len(folders)} GPU runs given; a cell shows at most {MAX_GPU_RUNS} beside its stored output")
+    runs = [gpu_runs.read(folder) for folder in folders]
     shutil.rmtree(stage_dir, ignore_errors=True)
-    shutil.copytree(root / "docs", stage_dir, ignore=shutil.ignore_patterns("build.py", "__pycache__"))
+    shutil.copytree(root / "docs", stage_dir, ignore=shutil.ignore_patterns("build.py", "__pycache__", "gpu-runs"))
     pages = [describe(nb, root) for nb in notebooks(root)]
     for page in pages:
         (stage_dir / page.path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / page.path, stage_dir / page.path)
+        stage_notebook(root / page.path, stage_dir / page.path, runs, page.path.removeprefix("notebooks/"))
     index = stage_dir / "index.md"
     text = index.read_text(encoding="utf-8")
     if MARKER not in text:
@@ -81,10 +112,10 @@ def stage(stage_dir: Path, root: Path = ROOT) -> list[Page]:
     return pages
 
 
-def build(out_dir: Path, root: Path = ROOT) -> list[Page]:
+def build(out_dir: Path, root: Path = ROOT, gpu_run_folders: list[Path] | None = None) -> list[Page]:
     """Build the HTML site into ``out_dir``; any Sphinx warning (a broken link, say) fails the build."""
     stage_dir = out_dir.parent / f"{out_dir.name}-src"
-    pages = stage(stage_dir, root)
+    pages = stage(stage_dir, root, gpu_run_folders)
     status = build_main(["-b", "html", "-E", "-W", "--keep-going", "-q", str(stage_dir), str(out_dir)])
     if status != 0:
         raise SystemExit(f"sphinx-build failed (exit {status}); see the warnings above")
@@ -92,6 +123,10 @@ def build(out_dir: Path, root: Path = ROOT) -> list[Page]:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "site"
-    built = build(out.resolve())
-    print(f"{len(built)} notebook pages + index -> {out / 'index.html'}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, default=ROOT / "build" / "site")
+    parser.add_argument("--gpu-runs", nargs="*", type=Path, metavar="DIR",
+                        help="GPU run folders to show (default: every folder in docs/gpu-runs/; none: no GPU outputs)")
+    args = parser.parse_args()
+    built = build(args.out.resolve(), gpu_run_folders=args.gpu_runs)
+    print(f"{len(built)} notebook pages + index -> {args.out / 'index.html'}")

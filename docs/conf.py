@@ -13,7 +13,7 @@ project = "日本語 BERT のマルチ GPU ファインチューニング"
 author = "the tutorial's authors"
 language = "ja"
 
-extensions = ["myst_nb", "sphinx_copybutton", "mathml"]
+extensions = ["myst_nb", "sphinx_copybutton", "mathml", "gpu_outputs"]  # the last two: docs/_ext/
 root_doc = "index"
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 

@@ -28,6 +28,7 @@ import torch
 
 from helpers.fsdp_memory import check_fsdp
 from helpers.memory import per_device, trace_by_layers
+from helpers.checks import gpu_runs
 from helpers.checks.notebook_env import NOTEBOOK_ENV
 from helpers.cuda_step import CudaPeak, gpu_sdpa_kernel, measure_cuda_step
 from helpers.memtrace import bert_base_config, cuda_sdpa_kernel
@@ -232,7 +233,8 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: bool) -> dict[str, callable]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers.checks.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--skip-notebooks", action="store_true", help="do not execute the notebooks")
-    parser.add_argument("--keep", type=Path, help="run in this folder (executed notebooks, checkpoints, logs) and keep it")
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="run in this folder (executed notebooks, checkpoints, "
+                        "logs) and keep it; the executed notebooks also go into DIR/gpu-runs/ as a folder for the site")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON into FILE")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -245,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as temporary:
         scratch = args.keep or Path(temporary)
         rows = run_checks(gpu_checks(torch.cuda.device_count(), scratch, not args.skip_notebooks))
+    if args.keep and not args.skip_notebooks:  # the executed notebooks as the site shows them (docs/gpu-runs/)
+        one_gpu = f" with {ONE_GPU_EDIT[0]} -> {ONE_GPU_EDIT[1]} in 03 and 04" if torch.cuda.device_count() == 1 else ""
+        run = gpu_runs.save(args.keep / "notebooks", args.keep / "gpu-runs", f"make gpu-check --keep{one_gpu}")
+        print(f"executed notebooks for the site: {run.folder} (copy it into docs/gpu-runs/ to show them)")
     text, data = report(rows, machine())
     print(text)
     if args.json:
