@@ -2,10 +2,12 @@
 notebooks kept, read back with its metadata, and refused with the file and field named when it is malformed."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.checks import gpu_runs
 
@@ -85,9 +87,10 @@ def test_a_folder_without_metadata_or_notebooks_is_refused(executed, tmp_path):
         gpu_runs.read(run.folder)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_this_machine_cannot_describe_a_gpu_run():
     metadata = gpu_runs.this_machine("note")
-    assert metadata["gpus"] == [] and len(metadata["commit"].split()[0]) == 7
+    assert metadata["gpus"] == [] and re.match(r"([0-9a-f]{7}|unknown)( with local changes)?$", metadata["commit"])
     with pytest.raises(ValueError, match="field 'gpus' must be a non-empty list of GPU names, found \\[\\]"):
         gpu_runs.check_metadata(metadata, "run metadata")
 
