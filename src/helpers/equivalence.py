@@ -64,6 +64,9 @@ def compare_with_one_process(model: str | None, examples: list, collate, device:
     for net in (unwrap(parallel), one_process):
         torch.optim.SGD(net.parameters(), lr=lr).step()
     weight_diff = max((whole(p) - named[name]).abs().max().item() for name, p in mine)
+    largest = torch.tensor([grad_diff, weight_diff], dtype=torch.float64, device=rank_loss.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest difference on any rank
+    grad_diff, weight_diff = largest.tolist()
     dist.all_reduce(rank_loss)
     result = {"strategy": strategy, "world_size": ranks, "per_rank_batch_size": share,
               "global_batch_size": len(examples), "loss_one_process": whole_loss.item(),
