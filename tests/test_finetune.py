@@ -118,14 +118,14 @@ def test_the_memos_network_with_its_unused_pooler_stops_ddp_on_the_second_step()
     assert "Parameter indices which did not receive grad for rank 0: 69 70" in run.stderr  # the pooler's two
 
 
-def launch_ranks(args, envs):
+def launch_ranks(args, envs, program=("-m", "helpers.finetune")):
     """Start one process per rank by hand, as torchrun would, so the exit status of every rank can be seen."""
     port = free_port()
     processes = []
     for rank, extra in enumerate(envs):
         env = ENV | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(envs)),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} | extra
-        processes.append(subprocess.Popen([sys.executable, "-m", "helpers.finetune", *args], env=env,
+        processes.append(subprocess.Popen([sys.executable, *program, *args], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outputs = [process.communicate(timeout=TIMEOUT) for process in processes]  # a hang fails here
@@ -241,16 +241,7 @@ ONE_GPU_MAIN = ("import sys, torch\n"
 
 
 def test_two_processes_on_one_gpu_both_stop_before_joining_with_one_message():
-    port = free_port()
-    processes = [subprocess.Popen([sys.executable, "-c", ONE_GPU_MAIN, *SMALL], env=ENV | {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for rank in (0, 1)]
-    try:
-        outputs = [process.communicate(timeout=TIMEOUT) for process in processes]  # a hang fails here
-    finally:
-        for process in processes:
-            process.kill()
-    assert [process.returncode for process in processes] == [2, 2]
+    codes, outputs = launch_ranks(SMALL, [{"LOCAL_WORLD_SIZE": "2"}] * 2, program=("-c", ONE_GPU_MAIN))
+    assert codes == [2, 2]
     (_, rank0_err), (_, rank1_err) = outputs
     assert rank0_err.startswith("error: 2 processes on this machine but torch sees 1 CUDA GPU(s)") and rank1_err == ""
