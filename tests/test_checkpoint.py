@@ -179,6 +179,25 @@ def test_saving_before_the_first_step_leaves_adam_without_moments(sharded, proce
     assert all(state["step"] == 1 for state in optimizer.state.values())
 
 
+def test_parameters_without_optimizer_state_load_as_saved(tmp_path):
+    """Adam keeps no state for a parameter that never had a gradient (as Net's unused pooler): none comes back."""
+    def model_and_adam(seed):
+        torch.manual_seed(seed)
+        model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+        optimizer = torch.optim.Adam(model.parameters())
+        model["used"](torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = model_and_adam(seed=0)
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    target, target_optimizer = model_and_adam(seed=1)
+    load_checkpoint(tmp_path / "checkpoint", target, target_optimizer)
+    assert len(target_optimizer.state) == len(optimizer.state) == 2  # used.weight, used.bias
+    for mine, theirs in zip(target_optimizer.state.values(), optimizer.state.values(), strict=True):
+        assert state_dicts_equal(mine, theirs)
+
+
 def test_rng_state_restores_torch_python_and_numpy():
     import random
 

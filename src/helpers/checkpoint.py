@@ -233,7 +233,8 @@ def check_optimizer(file: Path, saved: dict | None, model: nn.Module, optimizer)
     moved = [f"{name} (saved: {theirs})" for mine, saved_group in zip(groups, saved_groups)
              for name, theirs in zip(mine, saved_group) if name != theirs]
     if moved:
-        raise CheckpointError(f"{file}: the optimizer's groups hold other parameters than saved: {abbreviate(moved, 3)}")
+        raise CheckpointError(f"{file}: the optimizer's groups hold other parameters than saved: "
+                              f"{abbreviate(moved, 3)}")
 
 
 # Names and shapes are checked before loading (check_weights, check_optimizer); strict=False then only lets
@@ -257,12 +258,14 @@ class OpenCheckpoint:
         target = unwrap(model)
         if self.shards is None:
             if optimizer is None:  # a sharded model takes full weights too: each process keeps its shard
-                set_model_state_dict(target, self.weights, options=StateDictOptions(full_state_dict=is_sharded(target)))
+                options = StateDictOptions(full_state_dict=is_sharded(target))
+                set_model_state_dict(target, self.weights, options=options)
             else:
                 set_state_dict(target, optimizer, model_state_dict=self.weights,
                                optim_state_dict=self.state["optimizer"], options=CHECKED)
         else:  # read into the model's own state dicts (they give each process's shards their places)
-            moments = optimizer is not None and any(key.startswith("optimizer.") for key in self.shards.state_dict_metadata)
+            moments = optimizer is not None and any(key.startswith("optimizer.")
+                                                    for key in self.shards.state_dict_metadata)
             model_state, optimizer_state = get_state_dict(target, optimizer if optimizer is not None else [])
             tensors = {"model": model_state} | ({"optimizer": {"state": optimizer_state["state"]}} if moments else {})
             with warnings.catch_warnings():  # without a process group: "assuming the intent is to load in a
