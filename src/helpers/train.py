@@ -1,4 +1,5 @@
-"""A plain fine-tuning loop: one epoch of training, an evaluation, both together per epoch, and a step's cost."""
+"""The fine-tuning loop of the series, for one process or many: one epoch of training, an evaluation, both together
+per epoch (with checkpoints), and a step's cost."""
 
 from __future__ import annotations
 
