@@ -1,4 +1,4 @@
-"""Checkpoints: exact round trips between wrappings, atomic saves, and clear errors for bad files."""
+"""Checkpoints: exact round trips between wrappings (FSDP2 included), atomic saves, and clear errors for bad files."""
 
 import itertools
 import pickle
@@ -10,8 +10,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, load_checkpoint,
-                                rng_state, save_checkpoint, set_rng_state, state_dicts_equal)
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, full_weights,
+                                load_checkpoint, rng_state, save_checkpoint, set_rng_state, state_dicts_equal)
+from helpers.checkpoint_files import SHARDED_DIR, read_shard_metadata, saved_tensors
 from helpers.wrapping import unwrap
 
 
@@ -72,10 +79,14 @@ class Tiny(nn.Module):
         return self.norm(self.linear(x))
 
 
-def trained(seed=0, width=4):
-    """A Tiny model, its Adam optimizer and LambdaLR schedule after two steps, so every state is non-trivial."""
+def trained(seed=0, width=4, sharded=False):
+    """A Tiny model, its Adam optimizer and LambdaLR schedule after two steps, so every state is non-trivial.
+
+    ``sharded``: FSDP2's fully_shard before the optimizer is built (needs the process group)."""
     torch.manual_seed(seed)
     model = Tiny(width)
+    if sharded:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
     for _ in range(2):
@@ -88,7 +99,7 @@ def trained(seed=0, width=4):
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
-    """A real process group of this one process (gloo), so that DDP can wrap a model."""
+    """A real process group of this one process (gloo), so that DDP can wrap a model and FSDP2 shard one."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('rdzv')}/file", rank=0,
                             world_size=1)
     yield
@@ -100,18 +111,42 @@ WRAPPINGS = {
     "DataParallel": nn.DataParallel,
     "DDP": nn.parallel.DistributedDataParallel,
     "compiled": torch.compile,
+    "sharded": lambda model: model,  # fully_shard happens in trained(), before the optimizer is built
 }
+
+
+def wrapped(name, seed):
+    """A trained Tiny in wrapping ``name``, with its optimizer and scheduler."""
+    model, optimizer, scheduler = trained(seed, sharded=name == "sharded")
+    return WRAPPINGS[name](model), optimizer, scheduler
+
+
+def optimizer_state(model, optimizer):
+    """The optimizer's state by parameter name, full tensors (gathered where sharded)."""
+    return get_optimizer_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True))["state"]
 
 
 @pytest.mark.parametrize(("saved_from", "loaded_into"), list(itertools.product(WRAPPINGS, repeat=2)))
 def test_round_trip_between_wrappings(saved_from, loaded_into, process_group, tmp_path):
-    source = WRAPPINGS[saved_from](trained(seed=0)[0])
-    target = WRAPPINGS[loaded_into](trained(seed=1)[0])
-    assert not state_dicts_equal(unwrap(target).state_dict(), unwrap(source).state_dict())
-    save_checkpoint(tmp_path / "checkpoint", source)
-    assert load_file(tmp_path / "checkpoint" / MODEL_FILE).keys() == Tiny().state_dict().keys()  # no prefixes
-    load_checkpoint(tmp_path / "checkpoint", target)
-    assert state_dicts_equal(unwrap(target).state_dict(), unwrap(source).state_dict())
+    """Weights go from any wrapping to any other; optimizer and scheduler too where both are sharded or neither."""
+    source, source_optimizer, source_scheduler = wrapped(saved_from, seed=0)
+    target, target_optimizer, target_scheduler = wrapped(loaded_into, seed=1)
+    assert not state_dicts_equal(full_weights(target), full_weights(source))
+    save_checkpoint(tmp_path / "checkpoint", source, source_optimizer, source_scheduler)
+    if saved_from == "sharded":  # no prefixes in the names, whatever the wrapping
+        names = saved_tensors(read_shard_metadata(tmp_path / "checkpoint" / SHARDED_DIR), "model.").keys()
+    else:
+        names = load_file(tmp_path / "checkpoint" / MODEL_FILE).keys()
+    assert sorted(names) == sorted(Tiny().state_dict())
+    if (saved_from == "sharded") == (loaded_into == "sharded"):
+        load_checkpoint(tmp_path / "checkpoint", target, target_optimizer, target_scheduler)
+        saved_state, loaded_state = optimizer_state(source, source_optimizer), optimizer_state(target, target_optimizer)
+        assert saved_state.keys() == loaded_state.keys() == Tiny().state_dict().keys()
+        assert all(state_dicts_equal(loaded_state[name], saved_state[name]) for name in saved_state)
+        assert target_scheduler.state_dict() == source_scheduler.state_dict()
+    else:
+        load_checkpoint(tmp_path / "checkpoint", target)
+    assert state_dicts_equal(full_weights(target), full_weights(source))
 
 
 def test_optimizer_scheduler_and_progress_round_trip(tmp_path):
@@ -122,9 +157,45 @@ def test_optimizer_scheduler_and_progress_round_trip(tmp_path):
     state = load_checkpoint(tmp_path / "checkpoint", model2, optimizer2, scheduler2)
     assert state["progress"] == {"step": 7, "epoch": 1, "batch": 3, "history": [{"epoch": 1, "val_loss": 0.5}]}
     assert state_dicts_equal(model2.state_dict(), model.state_dict())
-    for mine, theirs in zip(optimizer2.state.values(), optimizer.state.values()):
+    for mine, theirs in zip(optimizer2.state.values(), optimizer.state.values(), strict=True):
         assert state_dicts_equal(mine, theirs)
     assert scheduler2.state_dict() == scheduler.state_dict() and scheduler2.last_epoch == 2
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_saving_before_the_first_step_leaves_adam_without_moments(sharded, process_group, tmp_path):
+    """Saving must not start Adam's state: its first real step would then count as the second."""
+    torch.manual_seed(0)
+    model = Tiny()
+    if sharded:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.Adam(model.parameters())
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    assert len(optimizer.state) == 0
+    load_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    assert len(optimizer.state) == 0
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    assert all(state["step"] == 1 for state in optimizer.state.values())
+
+
+def test_parameters_without_optimizer_state_load_as_saved(tmp_path):
+    """Adam keeps no state for a parameter that never had a gradient (as Net's unused pooler): none comes back."""
+    def model_and_adam(seed):
+        torch.manual_seed(seed)
+        model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+        optimizer = torch.optim.Adam(model.parameters())
+        model["used"](torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = model_and_adam(seed=0)
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    target, target_optimizer = model_and_adam(seed=1)
+    load_checkpoint(tmp_path / "checkpoint", target, target_optimizer)
+    assert len(target_optimizer.state) == len(optimizer.state) == 2  # used.weight, used.bias
+    for mine, theirs in zip(target_optimizer.state.values(), optimizer.state.values(), strict=True):
+        assert state_dicts_equal(mine, theirs)
 
 
 def test_rng_state_restores_torch_python_and_numpy():
@@ -220,6 +291,72 @@ def test_an_optimizer_with_other_groups_is_refused(saved):
         load_checkpoint(saved, model, two_groups)
 
 
+# --- bad sharded checkpoints (FSDP2): DCP's files, read without unpickling code ------------------------------
+
+@pytest.fixture
+def sharded_saved(process_group, tmp_path):
+    model, optimizer, scheduler = trained(seed=0, sharded=True)
+    return save_checkpoint(tmp_path / "sharded-checkpoint", model, optimizer, scheduler, progress=Progress(step=2))
+
+
+def test_sharded_metadata_with_code_is_refused_without_running_it(sharded_saved, tmp_path):
+    marker = tmp_path / "code-ran"
+    folder = sharded_saved / SHARDED_DIR
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    assert_refused(sharded_saved, f"^{folder / '.metadata'}: refused to load: it names more than DCP's metadata "
+                                  r"types, which could run code when unpickled \(global 'builtins.exec' is not one of "
+                                  r"DCP's metadata types\)$", model=Tiny())
+    assert not marker.exists()
+    with pytest.raises(AttributeError):  # the payload is live: DCP's own reader runs it (pickle.load), then fails
+        FileSystemReader(folder).read_metadata()
+    assert marker.exists()
+
+
+def test_entries_stored_as_pickled_bytes_are_refused(sharded_saved):
+    file = sharded_saved / SHARDED_DIR / ".metadata"
+    metadata = pickle.loads(file.read_bytes())  # written by this test: safe to unpickle here
+    metadata.state_dict_metadata["model.note"] = BytesStorageMetadata()  # DCP reads these with weights_only=False
+    file.write_bytes(pickle.dumps(metadata))
+    assert_refused(sharded_saved, f"^{file}: refused to load: 'model.note' is stored as pickled bytes, which DCP "
+                                  f"unpickles with code allowed; these checkpoints hold tensors only$", model=Tiny())
+
+
+def test_damaged_or_missing_shard_files_are_named(sharded_saved):
+    folder = sharded_saved / SHARDED_DIR
+    data, metadata = folder / "__0_0.distcp", folder / ".metadata"
+    data.write_bytes(data.read_bytes()[:100])
+    assert_refused(sharded_saved, rf"^{data}: truncated: 100 bytes, the metadata places data up to byte [\d,]+$",
+                   model=Tiny())
+    data.unlink()
+    assert_refused(sharded_saved, f"^{data}: missing; {metadata} lists it$", model=Tiny())
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    assert_refused(sharded_saved, f"^{metadata}: not a readable DCP metadata file, it may be truncated or damaged",
+                   model=Tiny())
+    metadata.unlink()
+    assert_refused(sharded_saved, f"^{metadata}: missing; a sharded model's checkpoint folder holds sharded/ "
+                                  rf"\(.metadata and the shards\) and state.pt$", model=Tiny())
+
+
+def test_shards_of_another_model_are_refused(sharded_saved):
+    assert_refused(sharded_saved, rf"^{sharded_saved / SHARDED_DIR}: saved from a different model than Tiny; different "
+                                  rf"shape or dtype: linear.weight \(4, 3\) torch.float32 \(the model has \(5, 3\) "
+                                  rf"torch.float32\)", model=Tiny(width=5))
+
+
+def test_resuming_across_layouts_is_refused_and_weights_alone_load(saved, sharded_saved):
+    """Optimizer state saved sharded does not go into an unsharded run, nor the other way round."""
+    assert_refused(sharded_saved, f"^{sharded_saved}: saved from a sharded model, loaded with its optimizer into an "
+                                  f"unsharded one; training continues exactly only as it was saved")
+    model, optimizer, _ = trained(seed=1, sharded=True)
+    before = {key: value.clone() for key, value in full_weights(model).items()}
+    with pytest.raises(CheckpointError, match=f"^{saved}: saved from an unsharded model, loaded with its optimizer "
+                                              f"into a sharded one"):
+        load_checkpoint(saved, model, optimizer)
+    assert state_dicts_equal(full_weights(model), before)
+    load_checkpoint(saved, model)  # the weights alone
+    assert state_dicts_equal(full_weights(model), load_file(saved / MODEL_FILE))
+
+
 # --- a folder of checkpoints: latest, best, keep, atomic ----------------------------------------------------
 
 def test_latest_best_and_keep(tmp_path):
@@ -259,7 +396,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path, monkey
         checkpoints.save(model, optimizer, scheduler, Progress(step=2))
     monkeypatch.undo()
     assert checkpoints.latest() == tmp_path / "step-000001" and not (tmp_path / "step-000002").exists()
-    load_checkpoint(checkpoints.latest(), trained(seed=1)[0], *trained(seed=1)[1:])  # still loads
+    load_checkpoint(checkpoints.latest(), *trained(seed=1))  # still loads
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
     checkpoints.save(model, optimizer, scheduler, Progress(step=3))  # the next save clears what the dead one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001", "step-000003"]

@@ -20,11 +20,14 @@ def test_fit_lowers_the_training_loss_and_records_every_batch(capsys):
     examples = load_split("train")[:64]
     loader = make_loader(examples, tokenizer, batch_size=16, shuffle=True)
     net = Net()
-    history = fit(net, loader, loader, two_lr_adam(net, 1e-3, 1e-3), epochs=4)
+    history = fit(net, loader, loader, two_lr_adam(net, 1e-3, 1e-3), epochs=4, timed=True)
     assert [row["epoch"] for row in history] == [1, 2, 3, 4]
     assert all(len(row["batch_losses"]) == 4 for row in history)
+    assert all(row["train_loss"] == sum(row["batch_losses"]) / 4 for row in history)
     assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.1
-    assert capsys.readouterr().out.count("val accuracy") == 4
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2", "epoch 3", "epoch 4"]
+    assert all(line.endswith(f"({row['seconds']:.1f} s)") for line, row in zip(lines, history, strict=True))
 
 
 def test_evaluate_counts_correct_predictions():
@@ -49,9 +52,14 @@ def test_train_epoch_updates_the_weights():
 def test_input_device_follows_the_parameters_and_dataparallel():
     net = Net()
     assert input_device(net) == torch.device("cpu")
-    # Without CUDA, DataParallel keeps device_ids empty and calls the model where it is.
-    assert input_device(torch.nn.DataParallel(net)) == torch.device("cpu")
     assert input_device(torch.compile(net)) == torch.device("cpu")
+    # Without CUDA, DataParallel keeps device_ids empty and calls the model where it is.
+    parallel = torch.nn.DataParallel(net)
+    assert parallel.device_ids == [] and input_device(parallel) == torch.device("cpu")
+    # With GPUs it scatters the batch from device_ids[0], wherever the parameters are: DataParallel(net,
+    # device_ids=[1, 0]) on a two-GPU machine sets these (only the attribute is set here; nothing runs on a GPU).
+    parallel.device_ids = [1, 0]
+    assert input_device(parallel) == torch.device("cuda", 1)
 
 
 def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
@@ -67,7 +75,9 @@ def test_train_epoch_and_evaluate_run_through_dataparallel_and_compile():
         model = wrap(net)
         assert len(train_epoch(model, loader, two_lr_adam(net))) == 2
         assert not torch.equal(before, net.linear.weight)
-        assert 0.0 <= evaluate(model, loader)["accuracy"] <= 1.0
+        through_wrapper, unwrapped = evaluate(model, loader), evaluate(net, loader)
+        assert through_wrapper["accuracy"] == unwrapped["accuracy"]  # the same 8 predictions
+        assert through_wrapper["loss"] == pytest.approx(unwrapped["loss"], abs=1e-6)
 
 
 def test_an_empty_loader_is_named_instead_of_dividing_by_zero():

@@ -1,43 +1,53 @@
 """Checkpoints that survive a kill, load safely into any wrapping, and let a run continue exactly.
 
-A checkpoint is a folder holding two files: ``model.safetensors`` (the unwrapped model's weights, plain
-tensors) and ``state.pt`` (optimizer and scheduler state, where the run stands, the random number
-generators), which is only ever read with ``torch.load(..., weights_only=True)``: it can hold tensors,
-numbers, strings, lists and dicts, never code. A folder of checkpoints has a text file ``latest`` naming the
-newest one and ``best`` naming the one with the lowest validation loss. A classifier trained on your own
-files also carries its label names, in index order, in ``model.safetensors``'s metadata (``read_labels``).
+One mechanism for every wrapping: torch.distributed.checkpoint's state-dict API (``get_state_dict``,
+``set_state_dict``) gives the weights and the optimizer state of a plain, DDP-wrapped, compiled or FSDP2-sharded
+model under the same plain names (``unwrap`` first removes DataParallel, which it does not know). Where the
+tensors go depends on whether the model is sharded:
+
+- not sharded (plain, DataParallel, DDP, torch.compile): rank 0 writes ``model.safetensors`` (the full weights)
+  and ``state.pt`` (optimizer, scheduler, where the run stands, every process's random state);
+- sharded (FSDP2): every process writes its own shards of the weights and of the optimizer state into
+  ``sharded/`` (torch.distributed.checkpoint's files), so no process ever holds the whole model; rank 0 writes
+  the rest into ``state.pt``.
+
+Reading never runs code (helpers.checkpoint_files). Weights load into any model of the same shape, across
+wrappings, layouts and numbers of processes (a sharded checkpoint into a plain ``Net``); resuming, which loads
+the optimizer too, needs the layout and the number of processes that saved it. A folder of checkpoints has a
+text file ``latest`` naming the newest one and ``best`` naming the one with the lowest validation loss. A
+classifier trained on your own files carries its label names in ``model.safetensors``'s metadata.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import pickle
 import random
 import re
 import shutil
-import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
-from helpers.distributed import rank, world_size
-from helpers.wrapping import unwrap
+from helpers.atomic import atomic_folder, fsync_file, remove_temporaries, write_text_atomic
+from helpers.checkpoint_files import (MODEL_FILE, SHARDED_DIR, STATE_FILE, CheckedShardReader, CheckpointError,
+                                      read_shard_metadata, read_state, read_weights, saved_tensors)
+from helpers.distributed import agree_on_problem, barrier, gather, rank, world_size
+from helpers.optim import abbreviate
+from helpers.wrapping import is_sharded, unwrap
 
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
 NAME = re.compile(r"step-(\d+)")
-TEMPORARY_PREFIX = ".tmp-"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded; the message names the file and the cause."""
 
 
 def state_dicts_equal(a: dict, b: dict) -> bool:
@@ -52,6 +62,23 @@ def state_dicts_equal(a: dict, b: dict) -> bool:
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
             return False
     return True
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of ``model`` in any wrapping, whole and under plain names, as ``Net().state_dict()`` has them.
+
+    A sharded model's are gathered from every process, so call it on every process.
+    """
+    return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True))
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of the full weights (``full_weights``), in key order: equal digests mean bitwise equal weights."""
+    digest = hashlib.sha256()
+    for key, tensor in full_weights(model).items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # --- where a run stands ------------------------------------------------------------------------------------
@@ -102,109 +129,59 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# --- one process or many: rank 0 writes, every rank reads ----------------------------------------------------
-
-def barrier() -> None:
-    """Wait until every process gets here; nothing to wait for without a process group."""
-    if world_size() > 1:
-        dist.barrier()
-
-
-def gather(value) -> list:
-    """``value`` of every process, in rank order (``[value]`` without a process group)."""
-    if world_size() == 1:
-        return [value]
-    values = [None] * world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 # --- writing: atomic, so a kill at any moment leaves the previous checkpoint intact -------------------------
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` survive a power cut (the folder's entry is data too)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``: readers see the old file or the new one, never half of it."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=TEMPORARY_PREFIX, delete=False) as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(file.name, path)
-    fsync_dir(path.parent)
+def write_weights(file: Path, weights: dict[str, torch.Tensor], labels: tuple[str, ...] | None) -> None:
+    """Full weights into a safetensors file; ``labels``, the output names in index order, into its metadata."""
+    metadata = {"labels": json.dumps(list(labels), ensure_ascii=False)} if labels else None
+    save_file({key: value.detach().cpu().contiguous() for key, value in weights.items()}, file, metadata=metadata)
+    fsync_file(file)
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None, *,
                     progress: Progress | None = None, per_process: list | None = None,
                     labels: tuple[str, ...] | None = None) -> Path:
-    """Write the checkpoint folder ``path`` atomically: it appears complete or not at all.
+    """Write the checkpoint folder ``path`` atomically (helpers.atomic): it appears complete or not at all.
 
-    The files are written into a temporary folder next to it, flushed to disk, and renamed into place.
-    ``per_process`` holds what differs between processes (their random number generators); ``labels``, the
-    names of the model's outputs in index order, go into the weights file's metadata.
+    Call it on every process: a sharded model's processes each write their own shards; otherwise rank 0
+    writes everything and the others return at once. ``per_process`` holds what differs between processes
+    (their random states); ``labels``, the names of the model's outputs, go into ``model.safetensors``.
     """
-    path = Path(path)
-    weights = {key: value.detach().cpu().contiguous() for key, value in unwrap(model).state_dict().items()}
-    state = {
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "progress": (progress or Progress()).shared(),
-        "per_process": per_process or [],
-    }
-    temporary = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent))
-    metadata = {"labels": json.dumps(list(labels), ensure_ascii=False)} if labels else None
-    save_file(weights, temporary / MODEL_FILE, metadata=metadata)
-    torch.save(state, temporary / STATE_FILE)
-    for name in (MODEL_FILE, STATE_FILE):
-        fsync_file(temporary / name)
-    fsync_dir(temporary)
-    old = None
-    if path.exists():  # the same name again (a run restarted from scratch): move the old one out of the way
-        old = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent))
-        path.rename(old / path.name)
-    temporary.rename(path)
-    fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old)
+    path, sharded = Path(path), is_sharded(model)
+    if not sharded and rank() != 0:
+        return path
+    untouched = optimizer is not None and not optimizer.state  # no step yet: Adam has no moments to save
+    model_state, optimizer_state = get_state_dict(unwrap(model), optimizer if optimizer is not None else [])
+    if untouched:  # get_state_dict made them with a step of learning rate 0 (_init_optim_state): remove them, or
+        optimizer.state.clear()  # the next real step would count as Adam's second
+        optimizer_state["state"] = {}
+    state = {"optimizer": optimizer_state if optimizer is not None else None,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "progress": (progress or Progress()).shared(), "per_process": per_process or []}
+    with atomic_folder(path, every_process=sharded) as folder:
+        if sharded:  # each process its shards; the optimizer's settings (param_groups) stay in state.pt
+            tensors = {"model": model_state} | ({"optimizer": {"state": optimizer_state["state"]}}
+                                                if optimizer is not None else {})
+            dcp.save(tensors, storage_writer=FileSystemWriter(folder / SHARDED_DIR))  # it flushes its files
+            if optimizer is not None:
+                state["optimizer"] = {"param_groups": optimizer_state["param_groups"]}
+        else:
+            write_weights(folder / MODEL_FILE, model_state, labels)
+        if rank() == 0:
+            torch.save(state, folder / STATE_FILE)
+            fsync_file(folder / STATE_FILE)
     return path
 
 
-# --- reading: check everything first, change nothing on failure ---------------------------------------------
-
-def read_weights(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing; a checkpoint folder holds {MODEL_FILE} and {STATE_FILE}")
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as error:
-        raise CheckpointError(
-            f"{file}: not a readable safetensors file, it may be truncated or damaged ({error})") from None
-
-
-def read_state(file: Path) -> dict:
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing; a checkpoint folder holds {MODEL_FILE} and {STATE_FILE}")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r"WeightsUnpickler error: (.*?)(?: Please|\n|$)", str(error))  # names what was refused
-        cause = found.group(1) if found else str(error)
-        raise CheckpointError(f"{file}: refused to load: it holds more than tensors and plain data, which could run "
-                              f"code when unpickled ({cause})") from None
-    except (EOFError, RuntimeError, OSError) as error:
-        raise CheckpointError(
-            f"{file}: not a readable torch.save file, it may be truncated or damaged ({error})") from None
+def save_model(path: str | Path, model: nn.Module, labels: tuple[str, ...] | None = None) -> Path:
+    """The trained model for readers (``helpers.predict.load_classifier``, ``load_checkpoint``): its full weights
+    and label names in ``path/model.safetensors``, whatever the wrapping. Call it on every process (a sharded
+    model's weights are gathered first); rank 0 writes."""
+    path, weights = Path(path), full_weights(model)
+    if rank() == 0:
+        with atomic_folder(path) as folder:
+            write_weights(folder / MODEL_FILE, weights, labels)
+    return path
 
 
 def read_labels(path: str | Path) -> tuple[str, ...] | None:
@@ -225,63 +202,126 @@ def read_labels(path: str | Path) -> tuple[str, ...] | None:
     return tuple(labels)
 
 
-def check_weights(file: Path, weights: dict, model: nn.Module) -> None:
-    """Raise CheckpointError if ``weights`` do not fit ``model`` exactly (names, shapes and dtypes)."""
-    expected = unwrap(model).state_dict()
-    missing = [key for key in expected if key not in weights]
-    unexpected = [key for key in weights if key not in expected]
-    different = [f"{key} {tuple(weights[key].shape)} {weights[key].dtype} (the model has "
-                 f"{tuple(value.shape)} {value.dtype})"
-                 for key, value in expected.items() if key in weights
-                 and (weights[key].shape != value.shape or weights[key].dtype != value.dtype)]
-    problems = [f"{label}: {abbreviate(names)}" for label, names in
+# --- reading: check everything first, change nothing on failure ---------------------------------------------
+
+def check_weights(file: Path, saved: dict[str, tuple], model: nn.Module) -> None:
+    """Raise CheckpointError if the ``saved`` names, shapes and dtypes do not fit ``model`` exactly."""
+    expected = {key: (value.shape, value.dtype) for key, value in unwrap(model).state_dict().items()}
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    different = [f"{key} {tuple(saved[key][0])} {saved[key][1]} (the model has {tuple(shape)} {dtype})"
+                 for key, (shape, dtype) in expected.items() if key in saved and saved[key] != (shape, dtype)]
+    problems = [f"{label}: {abbreviate(names, 3)}" for label, names in
                 (("missing", missing), ("unexpected", unexpected), ("different shape or dtype", different)) if names]
     if problems:
         raise CheckpointError(f"{file}: saved from a different model than {type(unwrap(model)).__name__}; "
                               + "; ".join(problems))
 
 
-def check_optimizer(file: Path, saved: dict | None, optimizer) -> None:
+def check_optimizer(file: Path, saved: dict | None, model: nn.Module, optimizer) -> None:
+    """Raise CheckpointError if the optimizer state ``saved`` is not for ``optimizer``'s groups of parameters."""
     if saved is None:
         raise CheckpointError(f"{file}: holds no optimizer state (it was saved without an optimizer)")
-    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
-    sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if saved_sizes != sizes:
-        raise CheckpointError(f"{file}: the optimizer's parameter groups differ: saved {saved_sizes} tensors per "
-                              f"group, this optimizer has {sizes}")
+    saved_groups = [group["params"] for group in saved["param_groups"]]
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    stranger = f"a tensor that is not a parameter of {type(unwrap(model)).__name__}"
+    groups = [[names.get(id(p), stranger) for p in group["params"]] for group in optimizer.param_groups]
+    if [len(group) for group in saved_groups] != [len(group) for group in groups]:
+        raise CheckpointError(f"{file}: the optimizer's parameter groups differ: saved "
+                              f"{[len(group) for group in saved_groups]} tensors per group, this optimizer has "
+                              f"{[len(group) for group in groups]}")
+    moved = [f"{name} (saved: {theirs})" for mine, saved_group in zip(groups, saved_groups)
+             for name, theirs in zip(mine, saved_group) if name != theirs]
+    if moved:
+        raise CheckpointError(f"{file}: the optimizer's groups hold other parameters than saved: "
+                              f"{abbreviate(moved, 3)}")
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> dict:
-    """Load the checkpoint folder ``path`` into ``model`` (plain or wrapped) and, if given, the optimizer and
-    scheduler; returns the rest of the checkpoint (``progress``, ``per_process``).
+# Names and shapes are checked before loading (check_weights, check_optimizer); strict=False then only lets
+# parameters without optimizer state stay without it, as Adam leaves those that never got a gradient (an unused
+# pooler), and as the saved optimizer had them.
+CHECKED = StateDictOptions(strict=False)
 
-    Every file is read and checked before anything is changed, so on a CheckpointError the model, the
-    optimizer and the scheduler are exactly as they were.
-    """
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint folder whose files were all read and checked against a model; ``load_into`` changes it."""
+
+    path: Path
+    state: dict  # state.pt's contents ({} when neither optimizer nor scheduler needs it and it is absent)
+    weights: dict[str, torch.Tensor] | None  # model.safetensors' tensors; None for a sharded checkpoint
+    shards: Metadata | None  # sharded/'s metadata, read safely; None for full weights
+
+    def load_into(self, model: nn.Module, optimizer=None, scheduler=None) -> dict:
+        """Load weights (and optimizer and scheduler state, if given) into ``model`` in any wrapping; returns
+        ``state.pt``'s contents. With a sharded checkpoint or model, call it on every process."""
+        target = unwrap(model)
+        if self.shards is None:
+            if optimizer is None:  # a sharded model takes full weights too: each process keeps its shard
+                options = StateDictOptions(full_state_dict=is_sharded(target))
+                set_model_state_dict(target, self.weights, options=options)
+            else:
+                set_state_dict(target, optimizer, model_state_dict=self.weights,
+                               optim_state_dict=self.state["optimizer"], options=CHECKED)
+        else:  # read into the model's own state dicts (they give each process's shards their places)
+            moments = optimizer is not None and any(key.startswith("optimizer.")
+                                                    for key in self.shards.state_dict_metadata)
+            model_state, optimizer_state = get_state_dict(target, optimizer if optimizer is not None else [])
+            tensors = {"model": model_state} | ({"optimizer": {"state": optimizer_state["state"]}} if moments else {})
+            with warnings.catch_warnings():  # without a process group: "assuming the intent is to load in a
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # single process"
+                dcp.load(tensors, storage_reader=CheckedShardReader(self.path / SHARDED_DIR, self.shards))
+            if optimizer is not None:  # saved before its first step, it has no moments: none come back
+                optimizer_state = {"state": tensors["optimizer"]["state"] if moments else {},
+                                   "param_groups": self.state["optimizer"]["param_groups"]}
+            set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=tensors["model"],
+                           optim_state_dict=optimizer_state, options=CHECKED)
+        if scheduler is not None:
+            scheduler.load_state_dict(self.state["scheduler"])
+        return self.state
+
+
+def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> OpenCheckpoint:
+    """Read every file of checkpoint folder ``path`` and check it against ``model`` (and ``optimizer``,
+    ``scheduler``); raises CheckpointError naming the file and the cause. Changes nothing."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    weights = read_weights(path / MODEL_FILE)
-    check_weights(path / MODEL_FILE, weights, model)
+    weights, shards = None, None
+    if (path / SHARDED_DIR).is_dir():
+        shards = read_shard_metadata(path / SHARDED_DIR)
+        check_weights(path / SHARDED_DIR, saved_tensors(shards, "model."), model)
+    else:
+        weights = read_weights(path / MODEL_FILE)
+        check_weights(path / MODEL_FILE, {key: (value.shape, value.dtype) for key, value in weights.items()}, model)
     needs_state = optimizer is not None or scheduler is not None
     state = read_state(path / STATE_FILE) if needs_state or (path / STATE_FILE).exists() else {}
     if optimizer is not None:
-        check_optimizer(path / STATE_FILE, state.get("optimizer"), optimizer)
+        if (shards is not None) != is_sharded(model):
+            saved, given = ("a sharded", "an unsharded") if shards is not None else ("an unsharded", "a sharded")
+            raise CheckpointError(f"{path}: saved from {saved} model, loaded with its optimizer into {given} one; "
+                                  f"training continues exactly only as it was saved (sharded or not); its weights "
+                                  f"alone load into either (leave the optimizer out)")
+        check_optimizer(path / STATE_FILE, state.get("optimizer"), model, optimizer)
     if scheduler is not None and state.get("scheduler") is None:
         raise CheckpointError(f"{path / STATE_FILE}: holds no scheduler state (it was saved without a scheduler)")
-
-    unwrap(model).load_state_dict(weights)
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    return state
+    return OpenCheckpoint(path, state, weights, shards)
 
 
-def abbreviate(names: list[str], limit: int = 3) -> str:
-    """The first ``limit`` names, and how many more there are."""
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> dict:
+    """Load the checkpoint folder ``path`` into ``model`` (plain, wrapped or sharded) and, if given, the
+    optimizer and scheduler; returns the rest of the checkpoint (``progress``, ``per_process``).
+
+    Every file is read and checked before anything is changed, so on a CheckpointError the model, the
+    optimizer and the scheduler are exactly as they were. A sharded checkpoint loads into any number of
+    processes (each reads the parts its own shards cover), or into a plain model without a process group.
+    """
+    return open_checkpoint(path, model, optimizer, scheduler).load_into(model, optimizer, scheduler)
+
+
+def checkpoint_layout(path: Path) -> str:
+    """"sharded" for a checkpoint folder a sharded model wrote (``sharded/``), else "full"."""
+    return "sharded" if (Path(path) / SHARDED_DIR).is_dir() else "full"
 
 
 # --- a folder of checkpoints for one run --------------------------------------------------------------------
@@ -290,7 +330,8 @@ class Checkpoints:
     """The checkpoints of one run in ``directory``: ``fit`` saves one every ``every`` optimizer steps (0: only
     at the end of each epoch), keeps the newest ``keep`` plus the best, and resumes from ``latest``.
 
-    With a process group (DDP), rank 0 writes, every process reads, and each gets its own random state back.
+    With a process group (DDP, FSDP2) call every method on every process: each saves and gets back its own
+    random state; rank 0 writes the pointers.
     """
 
     def __init__(self, directory: str | Path, every: int = 0, keep: int = 3, labels: tuple[str, ...] | None = None):
@@ -299,7 +340,7 @@ class Checkpoints:
         self.directory = Path(directory)
         self.every = every
         self.keep = keep
-        self.labels = labels  # saved with every checkpoint's weights (see read_labels)
+        self.labels = labels  # saved with every full checkpoint's weights (see read_labels)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None when the run has saved none yet."""
@@ -322,28 +363,20 @@ class Checkpoints:
         return self.directory / target
 
     def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False) -> None:
-        """Save where the run stands; call it on every process. ``best`` points ``best`` at it too."""
+        """Save where the run stands. ``best`` points ``best`` at it too."""
         per_process = gather({"rng": rng_state()} | {key: getattr(progress, key) for key in PER_PROCESS})
         if rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(TEMPORARY_PREFIX + "*"):  # left by a save that was killed
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        path = self.write(self.directory / f"step-{progress.step:06d}", model, optimizer, scheduler, progress,
-                          per_process)
+            remove_temporaries(self.directory)  # left by a save that was killed
+        barrier()  # a sharded model's processes write into the directory only once it is clean
+        path = save_checkpoint(self.directory / f"step-{progress.step:06d}", model, optimizer, scheduler,
+                               progress=progress, per_process=per_process, labels=self.labels)
         if rank() == 0:
             write_text_atomic(self.directory / "latest", path.name + "\n")
             if best:
                 write_text_atomic(self.directory / "best", path.name + "\n")
             self.remove_old()
         barrier()
-
-    def write(self, path: Path, model: nn.Module, optimizer, scheduler, progress: Progress,
-              per_process: list) -> Path:
-        """Rank 0 writes the whole checkpoint: under DDP every process holds the same weights."""
-        if rank() == 0:
-            save_checkpoint(path, model, optimizer, scheduler, progress=progress, per_process=per_process,
-                            labels=self.labels)
-        return path
 
     def remove_old(self) -> None:
         kept = {self.latest(), self.best()}
@@ -359,30 +392,40 @@ class Checkpoints:
 
         The random state is put back to the start of the interrupted epoch, so the loader draws the same
         order again; ``train_epoch`` skips the first ``progress.batch`` batches and then restores the state
-        of the moment of saving, so that dropout draws the same masks as the uninterrupted run.
+        of the moment of saving, so that dropout draws the same masks as the uninterrupted run. A checkpoint
+        that one process cannot load raises the same CheckpointError on every process, before any loads.
         """
         barrier()  # every process reads only once rank 0 has finished writing
-        path = self.latest()
-        if path is None:
+        problem, path, checked = None, None, None
+        try:
+            path = self.latest()
+            checked = None if path is None else self.open_to_resume(path, model, optimizer, scheduler)
+        except CheckpointError as error:
+            problem = str(error)
+        seen = gather(None if path is None else path.name)
+        if problem is None and len(set(seen)) > 1:
+            problem = (f"{self.directory}: the processes see different latest checkpoints ({seen}, in rank order); "
+                       f"every process must read the same folder (a shared file system)")
+        problem = agree_on_problem(problem)
+        if problem:
+            raise CheckpointError(problem)
+        if checked is None:
             return Progress(), None
-        state = self.load(path, model, optimizer, scheduler)
+        state = checked.load_into(model, optimizer, scheduler)
         mine = state["per_process"][rank()]
         progress = Progress(**state["progress"], **{key: mine[key] for key in PER_PROCESS})
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None
 
-    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
-        """Load checkpoint ``path`` into a run with as many processes as saved it; returns its state."""
-        state = load_checkpoint(path, model, optimizer, scheduler)
-        check_process_count(path, state)
-        return state
-
-
-def check_process_count(path: Path, state: dict, hint: str = "") -> None:
-    """Resuming exactly needs every process's own random state back, so as many processes as saved it."""
-    if len(state["per_process"]) != world_size():
-        raise CheckpointError(f"{path / STATE_FILE}: saved by {len(state['per_process'])} process(es), resumed "
-                              f"with {world_size()}; resume with the same number to continue exactly{hint}")
+    def open_to_resume(self, path: Path, model: nn.Module, optimizer, scheduler) -> OpenCheckpoint:
+        """Checkpoint ``path``, read and checked for resuming: as many processes as saved it."""
+        checked = open_checkpoint(path, model, optimizer, scheduler)
+        saved_by = len(checked.state["per_process"])
+        if saved_by != world_size():
+            raise CheckpointError(f"{path / STATE_FILE}: saved by {saved_by} process(es), resumed with {world_size()}; "
+                                  f"resume with the same number to continue exactly (its weights alone load into "
+                                  f"any number: load_checkpoint without an optimizer)")
+        return checked
 
 
 def epoch_start_state(loader) -> dict:

@@ -86,15 +86,34 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
 
+def with_others() -> bool:
+    """True in a process group of more than one process: only then do collectives have anyone to wait for."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    """Wait until every process gets here; nothing to wait for without other processes."""
+    if with_others():
+        dist.barrier()
+
+
+def gather(value) -> list:
+    """``value`` of every process, in rank order (``[value]`` without other processes)."""
+    if not with_others():
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def agree_on_problem(problem: str | None) -> str | None:
     """The first problem any rank found (lowest rank first), or None; every rank gets the same answer.
 
     Checks that depend on one machine (a model in its cache, a folder on its disk) can fail on one rank
     only; without this collective the others would wait for it forever. A problem that not every rank
-    found is named with the rank and the machine that found it.
+    found is named with the rank and the machine that found it. Without a process group: ``problem``.
     """
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, None if problem is None else (socket.gethostname(), problem))
+    found = gather(None if problem is None else (socket.gethostname(), problem))
     first = next(((where, report) for where, report in enumerate(found) if report is not None), None)
     if first is None:
         return None

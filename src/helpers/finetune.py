@@ -8,9 +8,9 @@
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
     python -m helpers.finetune --train-file F --validation-file G --test-file H --output-dir out  # your own data
 
-Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by
-helpers.train.train_epoch. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short
-summary (read it with helpers.finetune.last_json); --output-dir also gets metrics.json with every batch's loss.
+Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
+helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
+(read it with helpers.finetune.last_json); --output-dir also gets metrics.json with every batch's loss.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,14 +28,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers import distributed, fsdp, own_data
-from helpers.checkpoint import CheckpointError, Checkpoints, Progress, save_checkpoint
+from helpers.checkpoint import CheckpointError, Checkpoints, save_model, weights_digest
 from helpers.data import PadToLongest
-from helpers.ddp_equivalence import compare_with_one_process, print_comparison, weights_digest
+from helpers.equivalence import compare_with_one_process, print_comparison
 from helpers.models import ModelNotAvailableError, load_tokenizer, resolve_model
 from helpers.net import Net
 from helpers.optim import learning_rates_for, two_lr_adam
-from helpers.train import end_epoch, evaluate, train_epoch_from
-from helpers.wrapping import unwrap
+from helpers.train import evaluate, fit, say
+from helpers.wrapping import is_sharded, unwrap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-examples", type=int, help="evaluate on the first N validation examples only")
     parser.add_argument("--output-dir", type=Path, help="rank 0 writes metrics.json and the trained model (a checkpoint folder, model/) here")
     parser.add_argument("--check-equivalence", action="store_true",
-                        help="first compare one DDP step with one process on the first global-batch-size training "
-                             "examples (dropout off): gradients and weights")
+                        help="first compare one step of --strategy (DDP or FSDP) with one process on the first "
+                             "global-batch-size training examples (dropout off): gradients, and weights after one SGD "
+                             "step (helpers.equivalence)")
     parser.add_argument("--checkpoint-dir", type=Path,
                         help="rank 0 saves a checkpoint here after every epoch (and every --save-every steps)")
     parser.add_argument("--save-every", type=int, default=0, metavar="STEPS",
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue exactly from the latest checkpoint in --checkpoint-dir, if there is one "
                              "(same number of processes and options as the interrupted run)")
-    parser.add_argument("--strategy", choices=fsdp.STRATEGIES, default="ddp",
+    parser.add_argument("--strategy", choices=fsdp.FINETUNE_STRATEGIES, default="ddp",
                         help="ddp: a full copy of the model on every process (default); fsdp: each process holds "
                              "1/N of the weights, gradients and Adam state (FSDP2 fully_shard, notebook 08)")
     parser.add_argument("--keep-pooler", action="store_true",
@@ -84,11 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_examples: int) -> str | None:
     """The first reason this process cannot train, or None; checked before any model is loaded.
 
-    A process without a device of its own cannot join the group: that problem comes first (see main).
+    Whether the process has a device of its own is checked before, by itself (``distributed.device_problem``):
+    a process without one cannot join the group that agrees on the answers of this check.
     """
-    problem = distributed.device_problem(args.device)
-    if problem:
-        return problem
     if args.global_batch_size < world_size:
         return (f"--global-batch-size {args.global_batch_size} over {world_size} processes leaves a per-rank batch "
                 f"of {args.global_batch_size // world_size}; it must be at least 1")
@@ -112,11 +110,11 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
         return f"--save-every {args.save_every}: must be at least 0 (0: save only after each epoch)"
     if (args.save_every or args.resume) and args.checkpoint_dir is None:
         return f"{'--resume' if args.resume else '--save-every'} needs --checkpoint-dir: where the checkpoints are"
-    if rank == 0 and args.output_dir is not None:
-        return output_dir_problem(args.output_dir)
-    if rank == 0 and args.checkpoint_dir is not None:
-        return output_dir_problem(args.checkpoint_dir, "--checkpoint-dir")
-    return None
+    for option, path in (("--output-dir", args.output_dir), ("--checkpoint-dir", args.checkpoint_dir)):
+        problem = output_dir_problem(path, option) if rank == 0 and path is not None else None
+        if problem:
+            return problem
+    return fsdp.strategy_problem(args.checkpoint_dir, args.strategy) if args.resume else None
 
 
 def output_dir_problem(path: Path, option: str = "--output-dir") -> str | None:
@@ -128,25 +126,6 @@ def output_dir_problem(path: Path, option: str = "--output-dir") -> str | None:
     except OSError as error:
         return f"{option} {path}: cannot write there ({error.strerror or error})"
     return None
-
-
-def resume_or_stop(checkpoints: Checkpoints, model, optimizer, scheduler, train_loader):
-    """``checkpoints.resume(...)``; a checkpoint that cannot be loaded stops every rank with its message."""
-    problem, resumed = None, None
-    try:
-        resumed = checkpoints.resume(model, optimizer, scheduler, train_loader)
-    except CheckpointError as error:
-        problem = str(error)
-    problem = distributed.agree_on_problem(problem)
-    if problem:
-        distributed.stop_everywhere(problem)
-    return resumed
-
-
-def log(*args) -> None:
-    """Print on rank 0 only, so N processes do not print every line N times."""
-    if dist.get_rank() == 0:
-        print(*args, flush=True)
 
 
 def use_deterministic_algorithms() -> None:
@@ -182,103 +161,89 @@ def last_json(text: str) -> dict:
                      f"fail before its summary? Its last line: {(text.strip().splitlines() or [''])[-1]!r}")
 
 
+def make_loaders(args: argparse.Namespace, data: own_data.DataFiles, train_examples: list, tokenizer):
+    """Training batches of global-batch-size / N per process, each process its own share of a shuffle that
+    changes each epoch (DistributedSampler); validation batches of 64."""
+    sampler = DistributedSampler(train_examples, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                 shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_examples, batch_size=args.global_batch_size // dist.get_world_size(),
+                              sampler=sampler, collate_fn=PadToLongest(tokenizer))
+    val_loader = DataLoader(data.validation[:args.val_examples], batch_size=64, collate_fn=PadToLongest(tokenizer))
+    return train_loader, val_loader
+
+
+def build_training(args: argparse.Namespace, labels: int, device: torch.device, total_steps: int):
+    """Net, two-learning-rate Adam and warmup/linear schedule as in notebook 02, wrapped for ``--strategy``."""
+    set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
+    net = Net(args.model, num_labels=labels, pooler=args.keep_pooler).to(device)
+    net = fsdp.prepare(net, args.strategy)  # FSDP shards it here: before the optimizer is built
+    rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
+    body_lr = rule_body_lr if args.body_lr is None else args.body_lr
+    head_lr = rule_head_lr if args.head_lr is None else args.head_lr
+    optimizer = two_lr_adam(net, body_lr=body_lr, head_lr=head_lr)  # built on the plain model
+    say(f"peak learning rates: body {body_lr:g}, head {head_lr:g}")
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
+                                                num_training_steps=total_steps)
+    return fsdp.wrap(net, args.strategy, device), optimizer, scheduler
+
+
+def report(args: argparse.Namespace, data: own_data.DataFiles, model, result: dict, tokenizer) -> dict:
+    """Add every rank's weights digest and the test scores to ``result``; rank 0 writes --output-dir and prints
+    the summary. Call it on every process (a sharded model's weights and forward need them all)."""
+    result["weights_sha256"] = distributed.gather(weights_digest(model))
+    if args.train_file:
+        result["labels"] = list(data.labels)
+    if data.test and (dist.get_rank() == 0 or is_sharded(model)):  # as for validation (helpers.train.fit)
+        test = evaluate(unwrap(model), DataLoader(data.test, batch_size=64, collate_fn=PadToLongest(tokenizer)))
+        result |= {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
+        say(f"test: loss {test['loss']:.2f}  accuracy {test['accuracy']:.2f}")
+    if args.output_dir is not None:  # load with helpers.predict.load_classifier (labels too) or load_checkpoint
+        save_model(args.output_dir / "model", model, labels=data.labels)
+        if dist.get_rank() == 0:
+            (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+    say(json.dumps(summary(result)))  # short; metrics.json has every batch's loss
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.deterministic:
         use_deterministic_algorithms()  # before anything runs on a GPU
-    world_size, rank = distributed.world_size(), distributed.rank()
+    problem = distributed.device_problem(args.device)
+    if problem:  # no device of its own: this process cannot join the group, and neither do the others
+        distributed.stop_before_joining(problem)
     data, problem = own_data.load(args)  # the bundled data, or --train-file and friends
     train_examples = data.train[:args.train_examples] if data else []
-    problem = distributed.device_problem(args.device) or problem or find_problem(args, world_size, rank,
-                                                                               len(train_examples))
-    if distributed.device_problem(args.device):  # no GPU for this process: it cannot join, and neither do the others
-        distributed.stop_before_joining(problem)
-    problem = problem or (fsdp.strategy_problem(args.checkpoint_dir, args.strategy) if args.resume else None)
-
+    problem = problem or find_problem(args, distributed.world_size(), distributed.rank(), len(train_examples))
     device = distributed.device_for_this_process(args.device)
     distributed.init_process_group(device)
     problem = distributed.agree_on_problem(problem)
     if problem:
         distributed.stop_everywhere(problem)
 
-    per_rank_batch = args.global_batch_size // world_size
-    log(f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; batch {per_rank_batch} "
+    world_size, per_rank_batch = dist.get_world_size(), args.global_batch_size // dist.get_world_size()
+    say(f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; batch {per_rank_batch} "
         f"per rank x {world_size} = global batch {args.global_batch_size}"
         + ("; deterministic algorithms only" if args.deterministic else ""))
-
     tokenizer = load_tokenizer(args.model)
-    sampler = DistributedSampler(train_examples, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = DataLoader(train_examples, batch_size=per_rank_batch, sampler=sampler,
-                              collate_fn=PadToLongest(tokenizer))
-    val_loader = DataLoader(data.validation[:args.val_examples], batch_size=64, collate_fn=PadToLongest(tokenizer))
+    train_loader, val_loader = make_loaders(args, data, train_examples, tokenizer)
     if args.train_file:
-        log(own_data.describe(data, tokenizer))
-    equivalence = None
-    if args.check_equivalence:
-        compare, show = ((fsdp.compare_with_one_process, fsdp.print_comparison) if args.strategy == "fsdp"
-                         else (compare_with_one_process, print_comparison))
-        equivalence = compare(args.model, train_examples[:args.global_batch_size],
-                              PadToLongest(tokenizer), device, args.seed)
-        show(equivalence)
-
-    set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
-    net = Net(args.model, num_labels=len(data.labels), pooler=args.keep_pooler).to(device)
-    net = fsdp.prepare(net, args.strategy)  # FSDP shards it here: before the optimizer is built
-    rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
-    body_lr = rule_body_lr if args.body_lr is None else args.body_lr
-    head_lr = rule_head_lr if args.head_lr is None else args.head_lr
-    optimizer = two_lr_adam(net, body_lr=body_lr, head_lr=head_lr)  # built on the plain model
-    log(f"peak learning rates: body {body_lr:g}, head {head_lr:g}")
-    total_steps = args.epochs * len(train_loader)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=total_steps // 10,
-                                                num_training_steps=total_steps)
-    model = fsdp.wrap(net, args.strategy, device)
-    torch.manual_seed(args.seed + rank)  # a different dropout mask on each rank
-
-    checkpoints = (fsdp.checkpoints_for(args.strategy, args.checkpoint_dir, args.save_every, labels=data.labels)
-                   if args.checkpoint_dir else None)
-    progress, resume_rng = Progress(), None
-    if args.resume:  # after the per-rank seed: a checkpoint restores every rank's own random state
-        progress, resume_rng = resume_or_stop(checkpoints, model, optimizer, scheduler, train_loader)
-        if progress.step:
-            log(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
-    for epoch in range(progress.epoch + 1, args.epochs + 1):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        start = time.perf_counter()
-        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
-        resume_rng = None
-        seconds = time.perf_counter() - start
-        train_loss = torch.tensor(sum(batch_losses) / len(batch_losses), device=device)
-        dist.all_reduce(train_loss)
-        row = {"epoch": epoch, "train_loss": train_loss.item() / world_size, "seconds": seconds,
-               "batch_losses": batch_losses}  # this process's, for plots
-        if rank == 0 or fsdp.is_sharded(model):  # DDP: the others wait at the barrier; a sharded forward needs all
-            val = evaluate(unwrap(model), val_loader)
-            row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
-            log(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
-                f"val accuracy {val['accuracy']:.2f}  ({seconds:.1f} s)")
-        dist.barrier()
-        end_epoch(progress, row, model, optimizer, scheduler, train_loader, checkpoints)
-    history = progress.history
-
-    digests = [None] * world_size
-    weights = fsdp.FullWeights(unwrap(model))  # a sharded model's full weights, gathered on every rank
-    dist.all_gather_object(digests, weights_digest(weights))
+        say(own_data.describe(data, tokenizer))
     result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
-              "global_batch_size": args.global_batch_size, "steps": total_steps, "history": history,
-              "weights_sha256": digests} | ({"equivalence": equivalence} if equivalence else {})
-    if args.train_file:
-        result["labels"] = list(data.labels)
-    if data.test and (rank == 0 or fsdp.is_sharded(model)):  # as for validation
-        test = evaluate(unwrap(model), DataLoader(data.test, batch_size=64, collate_fn=PadToLongest(tokenizer)))
-        result |= {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
-        log(f"test: loss {test['loss']:.2f}  accuracy {test['accuracy']:.2f}")
-    if rank == 0:
-        if args.output_dir is not None:
-            (args.output_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-            # load with helpers.predict.load_classifier (labels too) or helpers.checkpoint.load_checkpoint
-            save_checkpoint(args.output_dir / "model", weights, labels=data.labels)
-        print(json.dumps(summary(result)), flush=True)  # short; metrics.json has every batch's loss
+              "global_batch_size": args.global_batch_size, "steps": args.epochs * len(train_loader)}
+    if args.check_equivalence:
+        result["equivalence"] = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
+                                                         PadToLongest(tokenizer), device, args.strategy, args.seed)
+        print_comparison(result["equivalence"])
+    model, optimizer, scheduler = build_training(args, len(data.labels), device, result["steps"])
+    checkpoints = Checkpoints(args.checkpoint_dir, args.save_every, labels=data.labels) if args.checkpoint_dir else None
+    torch.manual_seed(args.seed + dist.get_rank())  # a different dropout mask on each rank
+    try:  # a resumed run gets each rank's own random state back from the checkpoint
+        result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
+                                resume=args.resume, timed=True)
+    except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
+        distributed.stop_everywhere(str(error))
+    report(args, data, model, result, tokenizer)
     # Free DDP's reducer while the process group still exists: freed after destroy_process_group, as main returns,
     # it sometimes never returned (gloo, a busy 2-core CPU: the worker hung after printing the summary).
     del model

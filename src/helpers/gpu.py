@@ -70,10 +70,11 @@ def map_cuda_to_nvml(cuda: list[str], nvml: list[str]) -> dict[int, int]:
 
 
 def _memory(nvml, handle):
-    """v2 memory info where the driver has it (used excludes driver-reserved memory, as nvidia-smi shows)."""
+    """v2 memory info where the driver has it (used excludes driver-reserved memory, as nvidia-smi shows); a
+    driver without ``nvmlDeviceGetMemoryInfo_v2`` answers NVMLError (Function Not Found), and then v1."""
     try:
         return nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-    except (nvml.NVMLError, AttributeError, TypeError):
+    except nvml.NVMLError:
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 

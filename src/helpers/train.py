@@ -1,4 +1,5 @@
-"""A plain fine-tuning loop: one epoch of training, an evaluation, both together per epoch, and a step's cost."""
+"""The fine-tuning loop of the series, for one process or many: one epoch of training, an evaluation, both together
+per epoch (with checkpoints), and a step's cost."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from helpers.checkpoint import Checkpoints, Progress, epoch_start_state, set_rng_state, set_sampler_epoch
-from helpers.distributed import rank
+from helpers.distributed import barrier, rank, with_others
+from helpers.wrapping import is_sharded, unwrap
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -32,9 +35,10 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None, *, after_step=None, skip: int = 0,
                 resume_rng: dict | None = None) -> list[float]:
-    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every batch trained.
+    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every optimizer step.
 
-    ``after_step(loss)`` is called after every optimizer step (``fit`` saves its checkpoints there). To resume
+    ``after_step(loss, batches)`` is called after every optimizer step with its loss and how many of the epoch's
+    batches are trained by then (``fit`` saves its checkpoints there, only between optimizer steps). To resume
     an interrupted epoch, the first ``skip`` batches are drawn but not trained, and then the random state
     ``resume_rng`` (saved with the checkpoint) is restored.
     """
@@ -50,21 +54,31 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
             continue
         if index == skip and resume_rng is not None:
             set_rng_state(resume_rng)
-        batch = to_device(batch, device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        loss = loss_fn(logits, batch["labels"])
-        loss.backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        loss = forward_backward(model, to_device(batch, device), loss_fn)
+        optimizer_step(optimizer, scheduler)
+        losses.append(loss)
         if after_step is not None:
-            after_step(losses[-1])
+            after_step(loss, index + 1)
     if not losses:
         raise ValueError("train_epoch: the loader yielded no batches; is its data set empty, or smaller than "
                          "batch_size with drop_last=True?")
     return losses
+
+
+def forward_backward(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn) -> float:
+    """The loss of ``model`` on ``batch``; its gradients are added to the parameters' ``.grad``."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    loss = loss_fn(logits, batch["labels"])
+    loss.backward()
+    return loss.item()
+
+
+def optimizer_step(optimizer, scheduler=None) -> None:
+    """Update the weights from the gradients, move the learning-rate schedule on, and clear the gradients."""
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad()
 
 
 def time_training_step(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn=None) -> float:
@@ -113,44 +127,69 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
 
 
 def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3,
-        checkpoints: Checkpoints | None = None) -> list[dict]:
+        checkpoints: Checkpoints | None = None, *, resume: bool = True, timed: bool = False) -> list[dict]:
     """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it.
 
-    ``train_loss`` is the mean of the epoch's batch losses, which are kept in ``batch_losses`` for plots.
-    With ``checkpoints`` the run is saved as it goes (every ``checkpoints.every`` steps and after each
-    epoch), and a run started again continues from the latest checkpoint to exactly the weights it would
-    have reached uninterrupted.
+    ``train_loss`` is the mean of the epoch's batch losses, which are kept in ``batch_losses`` for plots;
+    ``timed`` adds the epoch's training ``seconds``. With ``checkpoints`` the run is saved as it goes (every
+    ``checkpoints.every`` steps and after each epoch), and a run started again continues from the latest
+    checkpoint to exactly the weights it would have reached uninterrupted (``resume=False``: it starts afresh
+    and saves over the old checkpoints).
+
+    With other processes (DDP, FSDP2: call it on every one), ``train_loss`` is the mean over all of them and
+    rank 0 evaluates and prints while the others wait; a sharded model is evaluated by every process, since its
+    forward needs them all.
     """
     progress, resume_rng = Progress(), None
-    if checkpoints is not None:
+    if checkpoints is not None and resume:
         progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
         if progress.step:
-            print(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
+            say(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
     for epoch in range(progress.epoch + 1, epochs + 1):
         set_sampler_epoch(train_loader, epoch)
+        start = time.perf_counter()
         batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
-        train_loss = sum(batch_losses) / len(batch_losses)
-        val = evaluate(model, val_loader)
-        print(f"epoch {epoch}: train loss {train_loss:.2f}  val loss {val['loss']:.2f}  "
-              f"val accuracy {val['accuracy']:.2f}")
-        end_epoch(progress, {"epoch": epoch, "train_loss": train_loss, "batch_losses": batch_losses,
-                             "val_loss": val["loss"], "val_accuracy": val["accuracy"]},
-                  model, optimizer, scheduler, train_loader, checkpoints)
         resume_rng = None
+        row = {"epoch": epoch, "train_loss": mean_over_processes(batch_losses, input_device(model))}
+        row |= ({"seconds": time.perf_counter() - start} if timed else {}) | {"batch_losses": batch_losses}
+        if rank() == 0 or is_sharded(model):
+            val = evaluate(unwrap(model) if with_others() else model, val_loader)  # DDP's forward needs every rank
+            row |= {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+            say(f"epoch {epoch}: train loss {row['train_loss']:.2f}  val loss {val['loss']:.2f}  "
+                f"val accuracy {val['accuracy']:.2f}" + (f"  ({row['seconds']:.1f} s)" if timed else ""))
+        barrier()  # the others wait for rank 0's evaluation
+        end_epoch(progress, row, model, optimizer, scheduler, train_loader, checkpoints)
     return progress.history
+
+
+def say(line: str) -> None:
+    """Print on rank 0 only, so N processes do not print every line N times."""
+    if rank() == 0:
+        print(line, flush=True)
+
+
+def mean_over_processes(values: list[float], device: torch.device) -> float:
+    """The mean of every process's mean of ``values`` (the mean of ``values`` without other processes)."""
+    mean = sum(values) / len(values)
+    if not with_others():
+        return mean
+    total = torch.tensor(mean, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, scheduler=None,
                      checkpoints: Checkpoints | None = None, resume_rng: dict | None = None) -> list[float]:
     """``train_epoch`` for the epoch ``progress`` stands in: skip the batches it already trained, keep
-    ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's batch losses.
+    ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's step losses.
 
-    Call it on every process; ``resume_rng`` comes from ``Checkpoints.resume``.
+    ``progress.step`` counts optimizer steps, ``progress.batch`` the epoch's batches trained (what a resumed
+    epoch skips). Call it on every process; ``resume_rng`` comes from ``Checkpoints.resume``.
     """
     progress.epoch_start = epoch_start_state(loader)
 
-    def after_step(loss):
-        progress.step, progress.batch = progress.step + 1, progress.batch + 1
+    def after_step(loss: float, batches: int) -> None:
+        progress.step, progress.batch = progress.step + 1, batches
         progress.batch_losses.append(loss)
         # the epoch's last step is saved by end_epoch, together with the epoch's evaluation
         if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 \

@@ -1,4 +1,4 @@
-"""Reach the model inside DataParallel, DistributedDataParallel and torch.compile wrappers."""
+"""Reach the model inside DataParallel, DistributedDataParallel and torch.compile wrappers; tell a sharded one."""
 
 from __future__ import annotations
 
@@ -19,3 +19,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` sharded ``model`` (inside any wrapper): its class was swapped in place for
+    a subclass of FSDPModule, and each process holds only its shard of every parameter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(unwrap(model), FSDPModule)

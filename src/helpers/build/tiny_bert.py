@@ -198,7 +198,9 @@ def body_only(model: BertForMaskedLM) -> BertModel:
     so that ``BertModel.from_pretrained`` finds every weight it expects."""
     body = BertModel(model.config)
     missing, unexpected = body.load_state_dict(model.bert.state_dict(), strict=False)
-    assert not unexpected and all(key.startswith("pooler.") for key in missing), (missing, unexpected)
+    if unexpected or not all(key.startswith("pooler.") for key in missing):
+        raise RuntimeError(f"body_only: the masked-LM body does not fit BertModel beyond its pooler: missing "
+                           f"{missing}, unexpected {unexpected}")
     return body
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
-from helpers.ddp_equivalence import TOLERANCE
+from helpers.equivalence import EQUIVALENCE_TOLERANCE
 from helpers.finetune import last_json
 
 RUN_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -23,6 +23,11 @@ RESUME_RUN = ["--train-examples", str(8 * BATCHES_PER_EPOCH), "--global-batch-si
 """Two epochs of 8 steps at global batch 8: a kill after the first checkpoint (step 3) lands mid-epoch."""
 NCCL_GUESS = "using the device under current context"
 """What torch.distributed.barrier warns under NCCL when the group is not bound to a device."""
+
+
+class RunFailed(Exception):
+    """A ``helpers.finetune`` run did not do what the check needs (failed, ended early, hung); the message says
+    what happened and where its output is."""
 
 
 def finetune_command(processes: int, *args: str) -> list[str]:
@@ -37,9 +42,9 @@ def run(command: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedPro
 
 
 def summary_of(run_: subprocess.CompletedProcess) -> dict:
-    """The JSON summary a successful run printed last; AssertionError with its stderr otherwise."""
+    """The JSON summary a successful run printed last; RunFailed with its stderr otherwise."""
     if run_.returncode != 0:
-        raise AssertionError(f"exit status {run_.returncode}: {run_.stderr.strip()[-2000:]}")
+        raise RunFailed(f"exit status {run_.returncode}: {run_.stderr.strip()[-2000:]}")
     return last_json(run_.stdout)
 
 
@@ -57,14 +62,14 @@ def kill_and_resume(command: list[str], directory: Path, log: Path, timeout: flo
         deadline = time.monotonic() + timeout
         while not (directory / "latest").exists():
             if launcher.poll() is not None:
-                raise AssertionError(f"the run ended (status {launcher.returncode}) before its first checkpoint: {log}")
+                raise RunFailed(f"the run ended (status {launcher.returncode}) before its first checkpoint: {log}")
             if time.monotonic() > deadline:
                 os.killpg(launcher.pid, signal.SIGKILL)
-                raise AssertionError(f"no checkpoint within {timeout} s: {log}")
+                raise RunFailed(f"no checkpoint within {timeout} s: {log}")
             time.sleep(0.01)
         os.killpg(launcher.pid, signal.SIGKILL)
         if launcher.wait() != -signal.SIGKILL:
-            raise AssertionError(f"the run had finished before it could be killed: {log}")
+            raise RunFailed(f"the run had finished before it could be killed: {log}")
     state = read_state(Checkpoints(directory).latest() / STATE_FILE)
     resumed = summary_of(run([*command, *saving, "--resume"], timeout))
     uninterrupted = summary_of(run(command, timeout))
@@ -81,7 +86,7 @@ def check_kill_and_resume(processes: int, scratch: Path, *args: str) -> tuple[bo
     try:
         result = kill_and_resume(finetune_command(processes, *RESUME_RUN, *args), scratch / "checkpoints",
                                  scratch / "killed.log")
-    except (AssertionError, subprocess.TimeoutExpired) as error:
+    except (RunFailed, subprocess.TimeoutExpired) as error:
         return False, f"{label}: {error}"
     ok, line = resume_line(result)
     return ok, f"{label}: {line}"
@@ -112,17 +117,18 @@ def judge_ddp_equivalence(finished: subprocess.CompletedProcess, label: str) -> 
     """(ok, line) for a finished ``--check-equivalence`` run."""
     try:
         result = summary_of(finished)
-    except (AssertionError, ValueError) as error:
+    except (RunFailed, ValueError) as error:
         return False, f"{label}: {error}"
     check = result["equivalence"]
     backend = next((line.split("backend ")[1].split(",")[0] for line in finished.stdout.splitlines()
                     if "backend " in line), "?")
     equal = check["weights_identical_on_all_ranks"] and len(set(result["weights_sha256"])) == 1
     warned = NCCL_GUESS in finished.stderr
-    ok = check["max_abs_grad_diff"] <= TOLERANCE and equal and not warned
-    return ok, (f"{label} over {backend}: max |DDP - one process| gradient {check['max_abs_grad_diff']:.1e} "
-                f"(<= {TOLERANCE:g}), weights bitwise equal on all ranks after a step and after training: {equal}"
-                + (f"; stderr has the warning '{NCCL_GUESS}'" if warned else ""))
+    gradient, weights = check["max_abs_grad_diff"], check["max_abs_weight_diff_after_sgd"]
+    ok = max(gradient, weights) <= EQUIVALENCE_TOLERANCE and equal and not warned
+    return ok, (f"{label} over {backend}: max |DDP - one process| gradient {gradient:.1e}, weights after one SGD "
+                f"step {weights:.1e} (<= {EQUIVALENCE_TOLERANCE:g}), weights bitwise equal on all ranks after a step "
+                f"and after training: {equal}" + (f"; stderr has the warning '{NCCL_GUESS}'" if warned else ""))
 
 
 def check_two_processes_on_one_gpu() -> list[tuple[bool, str]]:
