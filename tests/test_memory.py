@@ -4,11 +4,7 @@ real two-process run; and the command for a reader's own setting."""
 
 import contextlib
 import gzip
-import json
 import pickle
-import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +17,7 @@ from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from ddp_buckets_worker import measure_ddp
 from helpers.gpu_facts import GPUS, workspaces
-from helpers.memory import activation_formula, parameter_bytes, per_device, predict_step
+from helpers.memory import activation_formula, h200_steps, parameter_bytes, per_device, predict_step
 from helpers.memtrace import CudaLikeKernels, bert_base_config, build_model, bundled_config, trace_fake, trace_step
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -33,26 +29,8 @@ def agreement(a: int, b: int) -> float:
     return abs(a - b) / b
 
 
-def h200_settings() -> list[dict]:
-    """The 24 single-GPU steps measured on the H200: settings and the interval the measured allocated peak lies in
-    (the printed GiB, rounded to 0.01, intersected with the printed gap to the prediction of then, rounded to
-    0.1 %)."""
-    recorded = json.loads((FIXTURES / "h200-gpu-check.json").read_text(encoding="utf-8"))["settings"]
-    settings = []
-    for entry in recorded:
-        kernel, dtype, batch, length, gib, gap = re.match(
-            r"1 GPU, (\S+), (fp32|bf16), B=(\d+), L=(\d+)\s+predicted\s+[\d.]+ GiB\s+measured\s+([\d.]+) GiB"
-            r"\s+gap ([+-][\d.]+)%", entry["line"]).groups()
-        then = entry["predicted_then"]
-        low = max((float(gib) - 0.005) * 2**30, then * (1 + (float(gap) - 0.05) / 100))
-        high = min((float(gib) + 0.005) * 2**30, then * (1 + (float(gap) + 0.05) / 100))
-        settings.append(dict(attention="eager" if kernel == "eager" else "sdpa", amp=dtype == "bf16",
-                             batch_size=int(batch), seq_len=int(length), low=low, high=high, label=entry["line"][:44]))
-    return settings
-
-
 def test_the_h200_record_is_read_as_printed():
-    settings = h200_settings()
+    settings = h200_steps()
     assert len(settings) == 24 and all(setting["low"] < setting["high"] for setting in settings)
     assert all(setting["high"] - setting["low"] < 10.3 * MIB for setting in settings)
 
@@ -62,13 +40,13 @@ def test_prediction_meets_the_targets_on_the_24_h200_steps():
     in the recorded interval it was. Every constant comes from PyTorch's source, none from these numbers."""
     config = bert_base_config()
     misses = []
-    for setting in h200_settings():
+    for setting in h200_steps():
         step = predict_step(config, setting["batch_size"], setting["seq_len"], gpu=H200, environ={},
                             attention=setting["attention"], amp=setting["amp"])
         predicted = step.peak["total"]
         worst = max(abs(predicted - setting["low"]), abs(predicted - setting["high"]))
         if worst > (48 if setting["amp"] else 16) * MIB or worst > 0.02 * setting["low"]:
-            misses.append(f"{setting['label']}: predicted {predicted / MIB:,.1f} MiB, measured "
+            misses.append(f"{setting}: predicted {predicted / MIB:,.1f} MiB, measured "
                           f"{setting['low'] / MIB:,.1f}-{setting['high'] / MIB:,.1f} MiB")
     assert misses == []
 

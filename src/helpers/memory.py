@@ -14,8 +14,11 @@ Checked against 24 settings measured on an H200 (tests/test_memory.py). The clos
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -150,6 +153,26 @@ def _parts(snapshot: dict[str, int]) -> dict[str, int]:
 
 def _total(parts: dict[str, int]) -> dict[str, int]:
     return parts | {"total": sum(parts.values())}
+
+
+H200_RECORD = Path(str(files("helpers") / "data" / "h200" / "gpu-check.json"))
+
+
+def h200_steps() -> list[dict]:
+    """The 24 single-GPU steps ``make gpu-check`` measured on an NVIDIA H200 (torch 2.11.0+cu130, 2026-12-04): each
+    setting, and the interval its measured ``max_memory_allocated`` lies in: the printed GiB (rounded to 0.01)
+    intersected with the printed gap (rounded to 0.1 %) to the exact prediction of then."""
+    steps = []
+    for entry in json.loads(H200_RECORD.read_text(encoding="utf-8"))["settings"]:
+        kernel, dtype, batch, length, gib, gap = re.match(
+            r"1 GPU, (\S+), (fp32|bf16), B=(\d+), L=(\d+)\s+predicted\s+[\d.]+ GiB\s+measured\s+([\d.]+) GiB"
+            r"\s+gap ([+-][\d.]+)%", entry["line"]).groups()
+        then = entry["predicted_then"]
+        low = max((float(gib) - 0.005) * 2**30, then * (1 + (float(gap) - 0.05) / 100))
+        high = min((float(gib) + 0.005) * 2**30, then * (1 + (float(gap) + 0.05) / 100))
+        steps.append(dict(attention="eager" if kernel == "eager" else "sdpa", amp=dtype == "bf16",
+                          batch_size=int(batch), seq_len=int(length), low=int(low), high=int(high)))
+    return steps
 
 
 def peak_per_gpu(config, batch_size: int, seq_len: int, **options) -> int:
@@ -350,7 +373,7 @@ def check_setting(args, config) -> None:
                            f"positions")
 
 
-def report(args, config, source: str, gpu: GpuModel, capacity: int) -> list[str]:
+def report(args, config, source: str, gpu: GpuModel, capacity: int, assumed: str = "") -> list[str]:
     """The command's lines: the setting, then each GPU's predicted peak by category, fits or not, the largest batch."""
     options = dict(strategy=args.strategy, gpus=args.gpus, accumulation=args.accumulation, amp=args.amp == "bf16",
                    checkpointing=args.checkpointing, attention=args.attention, gpu=gpu)
@@ -360,12 +383,12 @@ def report(args, config, source: str, gpu: GpuModel, capacity: int) -> list[str]
     micro = args.batch_size // args.gpus // args.accumulation
     lines = [f"model {args.model} ({source}): {count / 1e6:,.1f} M parameters, hidden {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, vocab {config.vocab_size}",
-             f"{args.strategy} on {args.gpus} x {gpu.name} ({gpu.sm}, {capacity / 2**30:.1f} GiB each), batch "
+             f"{args.strategy} on {args.gpus} x {gpu.name}{assumed} ({gpu.sm}, {capacity / 2**30:.1f} GiB each), batch "
              f"{args.batch_size} = {micro} per GPU x {args.accumulation} accumulation, L={args.seq_len}, "
              f"{'bf16 autocast' if args.amp == 'bf16' else 'fp32'}, attention {kernel}"
              + (", checkpointing" if args.checkpointing else ""),
              "predicted peak per GPU (MiB), at the moment torch.cuda.max_memory_allocated is highest:"]
-    names = [name for name in CATEGORIES + ("buckets", "gathered") if any(d.get(name, 0) for d in devices)]
+    names = [name for name in CATEGORIES + ("buckets", "gathered") if any(d.get(name, 0) >= 2**19 for d in devices)]
     lines.append(f"{'':6}" + "".join(f"{name:>12}" for name in names) + f"{'total':>9}  fits {FITS:.0%}?")
     for index, device in enumerate(devices):
         lines.append(f"GPU{index:<3}" + "".join(f"{device.get(name, 0) / 2**20:>12,.0f}" for name in names)
@@ -390,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         config, source = load_config(args.model)
         check_setting(args, config)
         gpu = GPUS[args.gpu] if args.gpu else default_gpu()
+        assumed = "" if args.gpu or torch.cuda.is_available() else " (assumed; --gpu to choose)"
         if args.amp == "bf16" and gpu.capability < (8, 0):
             raise SettingError(f"--amp bf16 needs a GPU of compute capability 8.0 or later; {gpu.name} is {gpu.sm}")
-        for line in report(args, config, source, gpu, args.gpu_memory or gpu.memory):
+        for line in report(args, config, source, gpu, args.gpu_memory or gpu.memory, assumed):
             print(line, flush=True)
     except SettingError as error:
         print(f"python -m helpers.memory: error: {error}", file=sys.stderr)
