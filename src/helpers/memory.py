@@ -38,30 +38,26 @@ def default_gpu() -> GpuModel:
     return this_gpu(0) if torch.cuda.is_available() else GPUS["H200"]
 
 
-def activation_formula(config, batch_size: int, seq_len: int, *, attention: str = "sdpa",
-                       mask_bytes: int = 1) -> int:
-    """Bytes saved for backward by ``Net``'s forward in fp32 (what MemTracker files as activations).
-
-    Per token and encoder layer (h hidden, I = 4h intermediate, A heads, L tokens, m bytes per dropout mask):
-    16h for x, Q, K, V; 4h context; 4h + 4h LayerNorm-1 input and output; 4I + 4I GELU input and output;
-    4h LayerNorm-2 input; 2 x m*h hidden-dropout masks; 16 for two LayerNorms' mean and 1/std. Eager attention
-    adds 4AL probabilities, 4AL probabilities after dropout and m*AL dropout mask; the fused kernel (sdpa)
-    keeps 4A log-sum-exp values instead (plus 16 bytes per layer of dropout seed and offset; a padded batch
-    would add its 4L float mask). Outside the layers: the embeddings' LayerNorm input (4h) and dropout mask (m*h), the last
-    layer's output kept alive by the [CLS] slice (4h), and 8 bytes per token, per example, per position and once.
-    """
+def layer_activation_bytes(config, seq_len: int, *, attention: str = "sdpa", mask_bytes: int = 1) -> int:
+    """Bytes one encoder layer saves for backward per token, in fp32 (notebook 05's solutions list the terms)."""
     h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
     per_token = 16 * h + 4 * h + 8 * h + 8 * inter + 4 * h + 2 * mask_bytes * h + 16
-    if attention == "eager":
-        per_token += (8 + mask_bytes) * heads * seq_len
-        per_layer_extra = 0
-    else:
-        per_token += 4 * heads
-        per_layer_extra = 16
-    tokens = batch_size * seq_len
-    layers = config.num_hidden_layers * (tokens * per_token + per_layer_extra)
+    if attention == "eager":  # the probabilities, the probabilities after dropout, and the dropout mask
+        return per_token + (8 + mask_bytes) * heads * seq_len
+    return per_token + 4 * heads  # the fused kernel: one fp32 log-sum-exp per query and head
+
+
+def activation_formula(config, batch_size: int, seq_len: int, *, attention: str = "sdpa",
+                       mask_bytes: int = 1) -> int:
+    """Bytes saved for backward by ``Net``'s forward in fp32 (what MemTracker files as activations): each layer's
+    ``layer_activation_bytes`` for every token (and for the fused kernel 16 bytes of dropout seed and offset per
+    layer); outside the layers, per token the embeddings' LayerNorm input and dropout mask, the last layer's
+    output kept by the [CLS] slice, and 8 bytes per token, per example, per position and once."""
+    h, tokens = config.hidden_size, batch_size * seq_len
+    per_layer = tokens * layer_activation_bytes(config, seq_len, attention=attention, mask_bytes=mask_bytes)
+    seeds = 0 if attention == "eager" else 16
     outside = tokens * (8 * h + mask_bytes * h + 8) + 8 * batch_size + 8 * seq_len + 8
-    return layers + outside
+    return config.num_hidden_layers * (per_layer + seeds) + outside
 
 
 def parameter_bytes(config, pooler: bool = True) -> int:
@@ -160,8 +156,9 @@ H200_RECORD = Path(str(files("helpers") / "data" / "h200" / "gpu-check.json"))
 
 def h200_steps() -> list[dict]:
     """The 24 single-GPU steps ``make gpu-check`` measured on an NVIDIA H200 (torch 2.11.0+cu130, 2026-12-04): each
-    setting, and the interval its measured ``max_memory_allocated`` lies in: the printed GiB (rounded to 0.01)
-    intersected with the printed gap (rounded to 0.1 %) to the exact prediction of then."""
+    setting, the interval its measured ``max_memory_allocated`` lies in (the printed GiB, rounded to 0.01,
+    intersected with the printed gap, rounded to 0.1 %, to the prediction of then) and that prediction: MemTracker's
+    peak alone, without workspaces or the allocator's blocks."""
     steps = []
     for entry in json.loads(H200_RECORD.read_text(encoding="utf-8"))["settings"]:
         kernel, dtype, batch, length, gib, gap = re.match(
@@ -171,7 +168,7 @@ def h200_steps() -> list[dict]:
         low = max((float(gib) - 0.005) * 2**30, then * (1 + (float(gap) - 0.05) / 100))
         high = min((float(gib) + 0.005) * 2**30, then * (1 + (float(gap) + 0.05) / 100))
         steps.append(dict(attention="eager" if kernel == "eager" else "sdpa", amp=dtype == "bf16",
-                          batch_size=int(batch), seq_len=int(length), low=int(low), high=int(high)))
+                          batch_size=int(batch), seq_len=int(length), low=int(low), high=int(high), then=then))
     return steps
 
 

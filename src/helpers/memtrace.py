@@ -323,7 +323,7 @@ def build_model(config, attention: str = "sdpa", checkpointing: bool = False, de
     """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
 
     ``attention="sdpa"`` (transformers' default) calls ``scaled_dot_product_attention``, traced as the kernel
-    CUDA picks (``cuda_sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T) in Python and
+    the GPU picks (``helpers.gpu_facts.sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T) in Python and
     keeps the probabilities for backward. ``checkpointing`` recomputes each encoder layer's forward during
     backward instead of keeping it; the recomputation runs under the ``CudaLikeKernels`` settings the forward
     ran under (``CudaLikeKernels.for_recomputation``), so that it saves what the forward saved.
