@@ -309,8 +309,8 @@ class _DeviceWatch:
     def step(self):
         if self.peak is None:
             self.device.allocator.reset_peaks()
+            gc.collect()  # garbage freed in mid-step would free blocks at an arbitrary point
         self.device.watch()
-        gc.collect()
         gc.disable()
         try:
             yield
