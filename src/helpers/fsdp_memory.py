@@ -77,8 +77,7 @@ def fake_process_group(world_size: int):
 
 
 def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_precision: bool = False,
-               checkpointing: bool = False, capability: tuple[int, int] = GPUS["H200"].capability,
-               seed: int = 0) -> dict[str, int]:
+               checkpointing: bool = False, gpu: GpuModel = GPUS["H200"], seed: int = 0) -> dict[str, int]:
     """Peak bytes of rank 0 of ``world_size`` over one Adam step, by FSDPMemTracker's own categories.
 
     ``batch_size`` is the per-rank batch. ``Net`` is sharded as helpers.fsdp.shard does (each BertLayer, then
@@ -93,7 +92,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
 
     from helpers.fsdp import shard
 
-    key = (config.to_json_string(), batch_size, seq_len, world_size, mixed_precision, checkpointing, capability, seed)
+    key = (config.to_json_string(), batch_size, seq_len, world_size, mixed_precision, checkpointing, gpu, seed)
     if key in _traces:
         return _traces[key]
     options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed_precision else {}
@@ -107,7 +106,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
             def step(size, length):
                 input_ids = torch.randint(0, config.vocab_size, (size, length), generator=generator)
                 labels = torch.randint(0, 2, (size,), generator=generator)
-                with CudaLikeKernels(fused_attention=True, capability=capability):
+                with CudaLikeKernels(fused_attention=True, gpu=gpu):
                     loss = nn.functional.cross_entropy(model(input_ids), labels)
                 loss.backward()
                 optimizer.step()
@@ -153,8 +152,7 @@ def predict_fsdp(config, batch_size: int, seq_len: int, gpus: int, lever: str = 
     on ``gpu`` (its attention kernel and its workspaces under ``environ``, default: none of the variables set)."""
     if lever not in LEVERS:
         raise ValueError(f"lever={lever!r}: expected one of {LEVERS}")
-    options = {"mixed_precision": lever == "mixed precision", "checkpointing": lever == "checkpointing",
-               "capability": gpu.capability}
+    options = {"mixed_precision": lever == "mixed precision", "checkpointing": lever == "checkpointing", "gpu": gpu}
     held = sum(workspaces(gpu.capability, environ or {}).values())
     return fsdp_categories(trace_fsdp_by_layers(config, batch_size, seq_len, gpus, **options),
                            offload=lever == "CPU offload", held=held)

@@ -33,6 +33,7 @@ class GpuModel:
     sm_count: int                 # multiProcessorCount
     max_threads_per_sm: int       # maxThreadsPerMultiProcessor
     memory: int                   # bytes, as sold (nvidia-smi shows a little less)
+    kernels: tuple[str, str] | None = None  # the attention kernels (fp32, bf16) this GPU was seen to pick, if asked
 
     @property
     def sm(self) -> str:
@@ -55,12 +56,18 @@ GPUS = {gpu.name: gpu for gpu in (
 
 
 def this_gpu(device: int = 0) -> GpuModel:
-    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``."""
+    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
+    kernels it picks for BERT's training call (asked of torch, ``helpers.cuda_step.gpu_sdpa_kernel``)."""
     import torch
 
+    from helpers.cuda_step import gpu_sdpa_kernel
+    from helpers.memtrace import bert_base_config
+
     props = torch.cuda.get_device_properties(device)
+    with torch.cuda.device(device):
+        kernels = tuple(gpu_sdpa_kernel(bert_base_config(), 8, 128, dtype) for dtype in (torch.float32, torch.bfloat16))
     return GpuModel(props.name, (props.major, props.minor), props.multi_processor_count,
-                    props.max_threads_per_multi_processor, props.total_memory)
+                    props.max_threads_per_multi_processor, props.total_memory, kernels)
 
 
 # --- cuBLAS and cuBLASLt workspaces ------------------------------------------------------------------------------
@@ -164,6 +171,14 @@ def sdpa_kernel(capability: tuple[int, int], half: bool, masked: bool = False) -
     if major == 8:
         return "flash"
     return "memory-efficient"
+
+
+def attention_kernel(gpu: GpuModel, half: bool, masked: bool = False) -> str:
+    """The kernel ``gpu`` runs BERT's attention with: what it was seen to pick where it was asked (an unmasked
+    batch), else ``sdpa_kernel`` by its compute capability."""
+    if gpu.kernels and not masked:
+        return gpu.kernels[half]
+    return sdpa_kernel(gpu.capability, half, masked)
 
 
 MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB|G|M)?\s*$", re.IGNORECASE)

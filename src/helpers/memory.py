@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.gpu_facts import GPUS, GpuModel, parse_memory, sdpa_kernel, this_gpu
+from helpers.gpu_facts import GPUS, GpuModel, attention_kernel, parse_memory, this_gpu
 from helpers.memtrace import StepMemory, trace_fake
 from helpers.simulated_gpu import CATEGORIES
 
@@ -34,7 +34,8 @@ _steps: dict[tuple, StepMemory] = {}
 
 
 def default_gpu() -> GpuModel:
-    """This machine's GPU 0 when there is one, else the H200 the series was measured on."""
+    """This machine's GPU 0 (with the attention kernels it picks) when there is one, else the H200 the series was
+    measured on."""
     return this_gpu(0) if torch.cuda.is_available() else GPUS["H200"]
 
 
@@ -376,7 +377,7 @@ def report(args, config, source: str, gpu: GpuModel, capacity: int, assumed: str
                    checkpointing=args.checkpointing, attention=args.attention, gpu=gpu)
     devices = per_device(config, args.batch_size, args.seq_len, **options)
     count = parameter_bytes(config) // 4
-    kernel = sdpa_kernel(gpu.capability, args.amp == "bf16") if args.attention == "sdpa" else "eager"
+    kernel = attention_kernel(gpu, args.amp == "bf16") if args.attention == "sdpa" else "eager"
     micro = args.batch_size // args.gpus // args.accumulation
     lines = [f"model {args.model} ({source}): {count / 1e6:,.1f} M parameters, hidden {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, vocab {config.vocab_size}",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from helpers.gpu_facts import GPUS, GpuModel, sdpa_kernel
+from helpers.gpu_facts import GPUS, GpuModel, attention_kernel
 from helpers.net import Net
 from helpers.simulated_gpu import SimulatedGpu
 
@@ -77,8 +77,7 @@ class CudaLikeKernels(TorchFunctionMode):
 
     Dropout: CPU dropout saves a float mask (4 bytes per element), CUDA's fused kernel a 1-byte mask;
     ``torch.native_dropout`` is that fused form. Attention (``fused_attention=True``): route
-    ``scaled_dot_product_attention`` to the kernel a GPU of compute ``capability`` picks
-    (``helpers.gpu_facts.sdpa_kernel``); its meta registration (torch/_meta_registrations.py) gives the exact
+    ``scaled_dot_product_attention`` to the kernel ``gpu`` picks (``helpers.gpu_facts.attention_kernel``); its meta registration (torch/_meta_registrations.py) gives the exact
     shapes it keeps. Flash, cuDNN and memory-efficient attention all keep the output and one fp32
     log-sum-exp per query (the log of each softmax row's sum, from which backward rebuilds the probabilities),
     never the L x L probabilities. ``amp_dtype``: cast as CUDA autocast does, including its cache of the
@@ -88,12 +87,12 @@ class CudaLikeKernels(TorchFunctionMode):
     _active: list[CudaLikeKernels] = []  # the kernels entered and not yet left, innermost last
 
     def __init__(self, byte_masks: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
-                 capability: tuple[int, int] = GPUS["H200"].capability):
+                 gpu: GpuModel = GPUS["H200"]):
         super().__init__()
         self.byte_masks = byte_masks
         self.fused_attention = fused_attention
         self.amp_dtype = amp_dtype
-        self.capability = capability
+        self.gpu = gpu
         self._casts = {}
 
     def __enter__(self):
@@ -114,7 +113,7 @@ class CudaLikeKernels(TorchFunctionMode):
         if not cls._active:
             return contextlib.nullcontext()
         forward = cls._active[-1]
-        return cls(forward.byte_masks, forward.fused_attention, forward.amp_dtype, forward.capability)
+        return cls(forward.byte_masks, forward.fused_attention, forward.amp_dtype, forward.gpu)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -147,7 +146,7 @@ class CudaLikeKernels(TorchFunctionMode):
         return torch.native_dropout(input, p, True)[0] if training and p > 0 else input
 
     def fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        kernel = sdpa_kernel(self.capability, query.dtype in (torch.float16, torch.bfloat16), attn_mask is not None)
+        kernel = attention_kernel(self.gpu, query.dtype in (torch.float16, torch.bfloat16), attn_mask is not None)
         if kernel == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
@@ -190,7 +189,7 @@ def tracker_categories(snapshot: dict) -> dict[str, int]:
 def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
                cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
                seed: int = 0, device: SimulatedGpu | None = None,
-               capability: tuple[int, int] = GPUS["H200"].capability) -> StepMemory:
+               gpu: GpuModel = GPUS["H200"]) -> StepMemory:
     """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
@@ -198,7 +197,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     The batch has no padding: its attention mask is all ones, which transformers drops before attention on
     real tensors, so none is passed (fake tensors hide the values, and transformers would keep the mask).
     With ``amp_dtype`` the forward and the loss run under (emulated) CUDA autocast, backward outside it; the
-    attention kernel is the one a GPU of compute ``capability`` picks.
+    attention kernel is the one ``gpu`` picks.
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
@@ -208,7 +207,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
     generator = torch.Generator().manual_seed(seed)
-    kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, capability)
+    kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, gpu)
     watch = _DeviceWatch(device, model) if device else _TrackerWatch(model, optimizer)
 
     def batch(size, length):
@@ -365,4 +364,4 @@ def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa"
             model.to_empty(device="cpu")
         return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size, cuda_dropout=cuda_dropout,
                           fused_attention=attention == "sdpa", amp_dtype=amp_dtype, device=device,
-                          capability=(gpu or GPUS["H200"]).capability, **options)
+                          gpu=gpu or GPUS["H200"], **options)

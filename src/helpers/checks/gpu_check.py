@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from helpers.checks.notebook_env import NOTEBOOK_ENV
-from helpers.cuda_step import CudaPeak, gpu_sdpa_kernel, measure_cuda_step
+from helpers.cuda_step import CudaPeak, measure_cuda_step
 from helpers.fsdp_memory import check_fsdp
-from helpers.gpu_facts import sdpa_kernel, this_gpu, workspaces
+from helpers.gpu_facts import GpuModel, attention_kernel, sdpa_kernel, this_gpu, workspaces
 from helpers.memory import per_device, predict_step
 from helpers.memtrace import bert_base_config
 
@@ -107,11 +107,10 @@ def gap_causes(predicted: dict[str, int], predicted_requested: int, measured: Cu
     return causes
 
 
-def check_memory_case(config, case: MemoryCase, gpu_kernels: dict[bool, str]) -> list[tuple[bool, str]]:
-    """Predict and measure one case; one line per GPU."""
-    gpu = this_gpu(0)
-    traced = sdpa_kernel(gpu.capability, case.amp) if case.attention == "sdpa" else "eager"
-    measured_kernel = gpu_kernels[case.amp] if case.attention == "sdpa" else "eager"
+def check_memory_case(config, case: MemoryCase, gpu: GpuModel) -> list[tuple[bool, str]]:
+    """Predict and measure one case on ``gpu`` (this machine's GPU 0, with the kernels it picks); one line per GPU."""
+    traced = attention_kernel(gpu, case.amp) if case.attention == "sdpa" else "eager"
+    measured_kernel = gpu.kernels[case.amp] if case.attention == "sdpa" else "eager"
     options = dict(attention=case.attention, amp=case.amp, accumulation=case.accumulation,
                    checkpointing=case.checkpointing, gpu=gpu, environ=dict(os.environ))
     strategy = "single" if case.gpus == 1 else "dataparallel"
@@ -145,17 +144,15 @@ def check_memory(cases: list[MemoryCase] | None = None):
     config = bert_base_config()
     gpu = this_gpu(0)
     bf16 = torch.cuda.is_bf16_supported()
-    kernels = {amp: gpu_sdpa_kernel(config, 8, 128, torch.bfloat16 if amp else torch.float32)
-               for amp in ((False, True) if bf16 else (False,))}
     held = workspaces(gpu.capability, os.environ)
     yield True, ("info " + gpu.name + f" ({gpu.sm}, {gpu.sm_count} SMs); attention (sdpa, unmasked): "
-                 + ", ".join(f"{'bf16' if amp else 'fp32'} -> {kernel} (predicted "
-                             f"{sdpa_kernel(gpu.capability, amp)})" for amp, kernel in kernels.items())
+                 + ", ".join(f"{'bf16' if amp else 'fp32'} -> {gpu.kernels[amp]} (by compute capability: "
+                             f"{sdpa_kernel(gpu.capability, amp)})" for amp in ((False, True) if bf16 else (False,)))
                  + "; workspaces predicted: " + ", ".join(f"{name} {size / MIB:g} MiB" for name, size in held.items()))
     if not bf16:
         yield True, "skip AMP checks: this GPU does not support bf16"
     for case in cases or memory_cases(torch.cuda.device_count(), bf16):
-        yield from check_memory_case(config, case, kernels)
+        yield from check_memory_case(config, case, gpu)
     if torch.cuda.device_count() < 2:
         yield True, "skip DataParallel per-device check: needs 2 CUDA GPUs"
 
