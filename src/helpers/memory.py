@@ -379,13 +379,16 @@ def report(args, config, source: str, gpu: GpuModel, capacity: int, assumed: str
     count = parameter_bytes(config) // 4
     kernel = attention_kernel(gpu, args.amp == "bf16") if args.attention == "sdpa" else "eager"
     micro = args.batch_size // args.gpus // args.accumulation
+    amp_words = "fp32" if args.amp == "none" else (
+        "bf16 mixed precision (MixedPrecisionPolicy)" if args.strategy == "fsdp2" else "bf16 autocast")
     lines = [f"model {args.model} ({source}): {count / 1e6:,.1f} M parameters, hidden {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, vocab {config.vocab_size}",
              f"{args.strategy} on {args.gpus} x {gpu.name}{assumed} ({gpu.sm}, {capacity / 2**30:.1f} GiB each), batch "
              f"{args.batch_size} = {micro} per GPU x {args.accumulation} accumulation, L={args.seq_len}, "
-             f"{'bf16 autocast' if args.amp == 'bf16' else 'fp32'}, attention {kernel}"
-             + (", checkpointing" if args.checkpointing else ""),
-             "predicted peak per GPU (MiB), at the moment torch.cuda.max_memory_allocated is highest:"]
+             f"{amp_words}, attention {kernel}" + (", checkpointing" if args.checkpointing else ""),
+             "predicted peak per GPU (MiB), " + ("FSDPMemTracker's requested bytes plus the workspaces:"
+                                                 if args.strategy == "fsdp2" else
+                                                 "at the moment torch.cuda.max_memory_allocated is highest:")]
     names = [name for name in CATEGORIES + ("buckets", "gathered") if any(d.get(name, 0) >= 2**19 for d in devices)]
     lines.append(f"{'':6}" + "".join(f"{name:>12}" for name in names) + f"{'total':>9}  fits {FITS:.0%}?")
     for index, device in enumerate(devices):
