@@ -150,7 +150,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
+        for tensor in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.device.track(tensor)
         self.device.after(func, args)
