@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KIB, MIB = 2**10, 2**20
+KIB = 2**10
 
 
 @dataclass(frozen=True)
