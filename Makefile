@@ -89,10 +89,9 @@ wheelhouse:
 gpu-check: $(STAMP)
 	$(NB_ENV) $(BIN)/python -m helpers.checks.gpu_check $(GPU_CHECK_ARGS)
 
-# Regenerate the README's per-GPU memory chart from the memory model.
+# Regenerate the README's per-GPU memory chart from the memory model (python -m helpers.memory --help: your setting).
 memory-chart: $(STAMP)
-	mkdir -p docs/img
-	$(BIN)/python -m helpers.memory docs/img/per_device_memory.png
+	$(BIN)/python -m helpers.memory --chart docs/img/per_device_memory.png
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

@@ -4,17 +4,20 @@ trace, FSDP shards what it should, and the GPU check says why it skips on a mach
 import pytest
 import torch
 
-from helpers.fsdp_memory import (GIB, LEVERS, MODELS, bert_base_config, by_category, check_fsdp, load_table,
-                                 parameters, predict, trace_fsdp)
+from helpers.fsdp_memory import (GIB, LEVERS, MODELS, bert_base_config, check_fsdp, fsdp_categories, load_table,
+                                 parameters, predict_fsdp, trace_fsdp)
+from helpers.gpu_facts import GPUS, workspaces
 
 
 def test_stored_table_equals_a_fresh_prediction():
-    assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict(bert_base_config(), 8, 512, 2)
+    """Drift: the stored file against its generator."""
+    assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict_fsdp(bert_base_config(), 8, 512, 2)
 
 
 def test_extrapolation_from_three_and_four_layers_equals_the_trace_of_five():
     five = bert_base_config(num_hidden_layers=5)
-    assert predict(five, 8, 512, 2) == by_category(trace_fsdp(five, 8, 512, 2))
+    held = sum(workspaces(GPUS["H200"].capability, {}).values())
+    assert predict_fsdp(five, 8, 512, 2) == fsdp_categories(trace_fsdp(five, 8, 512, 2), held=held)
 
 
 def test_checkpointing_recomputes_each_layer_as_its_forward_ran():

@@ -84,3 +84,50 @@ def test_the_one_gpu_copy_changes_device_ids_in_code_only(tmp_path):
     assert "device_ids=[0, 1]" not in code and "device_ids=[0]" in code
     assert "device_ids=[0, 1]" in prose  # the instruction itself stays
     assert not one_gpu_copy(ROOT / "notebooks" / "00_setup.ipynb", tmp_path / "00.ipynb")
+
+
+def test_each_row_is_emitted_before_the_next_check_runs():
+    order = []
+
+    def slow_check():
+        yield True, "first"
+        order.append("second started")
+        yield False, "second"
+
+    run_checks({"memory": slow_check, "resume": lambda: [(True, "third")]},
+               emit=lambda row: order.append(row["line"]))
+    assert order == ["first", "second started", "second", "third"]
+
+
+def test_a_memory_gap_names_its_causes():
+    from helpers.checks.gpu_check import gap_causes, within_tolerance
+    from helpers.cuda_step import CudaPeak
+
+    mib = 2**20
+    predicted = {"workspaces": 65 * mib, "total": 3814 * mib}
+    assert within_tolerance(3814 * mib, 3829 * mib, amp=False) and not within_tolerance(3814 * mib, 3831 * mib, amp=False)
+    assert within_tolerance(3814 * mib, 3861 * mib, amp=True) and not within_tolerance(100 * mib, 103 * mib, amp=True)
+    causes = gap_causes(predicted, 3810 * mib, CudaPeak(leftover=17 * mib, before=0, peak=3900 * mib,
+                                                        requested=3880 * mib, held_after=17 * mib + 41 * mib),
+                        "cuDNN", "flash")
+    assert causes == ["17.0 MiB were allocated before the model was built: earlier code still holds tensors",
+                      "this GPU runs the flash attention kernel; the prediction traced cuDNN",
+                      "after the step this GPU keeps 41.0 MiB (cuBLAS/cuBLASLt workspaces); the prediction has 65.0 MiB"]
+    rounding = gap_causes(predicted, 3810 * mib, CudaPeak(0, 0, 3900 * mib, 3810 * mib, 65 * mib), "cuDNN", "cuDNN")
+    assert rounding == ["the requested bytes agree (+0.0 MiB): the blocks differ, i.e. the allocator rounded or "
+                        "reused blocks otherwise than simulated"]
+    unknown = gap_causes(predicted, 3810 * mib, CudaPeak(0, 0, 3900 * mib, 3890 * mib, 65 * mib), "cuDNN", "cuDNN")
+    assert unknown[0].startswith("the requested bytes differ by +80.0 MiB")
+
+
+def test_the_memory_grid_and_partial_runs():
+    from helpers.checks.gpu_check import MemoryCase, arguments, memory_cases, series_notebooks
+
+    assert len(memory_cases(1, bf16=True)) == 24 and len(memory_cases(2, bf16=False)) == 14
+    assert MemoryCase(16, 512, amp=True, accumulation=2).label("cuDNN") == \
+        "1 GPU, cuDNN, bf16, B=16, L=512, accumulation 2"
+    assert [path.name for path in series_notebooks("08*")] == ["08_fsdp2.ipynb"]
+    assert all(path.parent.name == "solutions" for path in series_notebooks("solutions/*"))
+    assert arguments(["--only", "memory,resume"]).only == ["memory", "resume"]
+    with pytest.raises(SystemExit):
+        arguments(["--only", "memroy"])

@@ -1,8 +1,12 @@
-"""The memory model against measurement: MemTracker on fake tensors vs the closed form, vs real tensors,
-vs the torch.profiler memory timeline, and DDP's buckets in a real two-process run."""
+"""The memory prediction against measurement: the 24 steps measured on an H200 and its memory snapshot; MemTracker
+on fake tensors vs the closed form, vs real tensors, vs the torch.profiler memory timeline; DDP's buckets in a
+real two-process run; and the command for a reader's own setting."""
 
 import contextlib
+import gzip
+import pickle
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +16,66 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from ddp_buckets_worker import measure_ddp
-from helpers.memory import activation_formula, parameter_bytes, per_device, trace_by_layers
-from helpers.memtrace import (CudaLikeKernels, bert_base_config, build_model, bundled_config, cuda_sdpa_kernel,
-                               trace_fake, trace_step)
+from helpers.gpu_facts import GPUS, workspaces
+from helpers.memory import activation_formula, h200_steps, parameter_bytes, per_device, predict_step
+from helpers.memtrace import CudaLikeKernels, bert_base_config, build_model, bundled_config, trace_fake, trace_step
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MIB = 2**20
+H200 = GPUS["H200"]
 
 
 def agreement(a: int, b: int) -> float:
     return abs(a - b) / b
+
+
+def test_the_h200_record_is_read_as_printed():
+    settings = h200_steps()
+    assert len(settings) == 24 and all(setting["low"] < setting["high"] for setting in settings)
+    assert all(setting["high"] - setting["low"] < 10.3 * MIB for setting in settings)
+
+
+def test_prediction_meets_the_targets_on_the_24_h200_steps():
+    """Within 16 MiB (fp32) or 48 MiB (bf16 autocast) and 2 % of torch.cuda.max_memory_allocated, whichever value
+    in the recorded interval it was. Every constant comes from PyTorch's source, none from these numbers."""
+    config = bert_base_config()
+    misses = []
+    for setting in h200_steps():
+        step = predict_step(config, setting["batch_size"], setting["seq_len"], gpu=H200, environ={},
+                            attention=setting["attention"], amp=setting["amp"])
+        predicted = step.peak["total"]
+        worst = max(abs(predicted - setting["low"]), abs(predicted - setting["high"]))
+        if worst > (48 if setting["amp"] else 16) * MIB or worst > 0.02 * setting["low"]:
+            misses.append(f"{setting}: predicted {predicted / MIB:,.1f} MiB, measured "
+                          f"{setting['low'] / MIB:,.1f}-{setting['high'] / MIB:,.1f} MiB")
+    assert misses == []
+
+
+def test_prediction_of_the_snapshot_step_accounts_for_its_blocks():
+    """The step of the H200 snapshot (B=8, L=512, fp32): the workspaces it holds, the reduction buffer live at its
+    peak, and its requested peak once the 17 MiB left by notebook 05's cell 8 are taken out."""
+    with gzip.open(FIXTURES / "h200-snapshot-b8-l512-fp32.pickle.gz") as file:
+        data = pickle.load(file)
+    before = sum(block["size"] for segment in data["segments"] for block in segment["blocks"]
+                 if block["state"] == "active_allocated" and not block["frames"])  # held since before the cell
+    leftover = before - sum(workspaces((9, 0), {}).values())
+    requested = held = peak = 0
+    live = {}
+    start = data["external_annotations"][3]["time_us"]
+    for event in data["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            held += event["size"]
+        elif event["action"] == "free_completed":
+            held -= live.pop(event["addr"])["size"]
+        if event["time_us"] > start and held > requested:
+            requested, peak = held, dict(live)
+    reduction = sum(event["size"] for event in peak.values()
+                    if any("gpu_reduce_kernel" in frame["name"] for frame in event["frames"]))
+    step = predict_step(bert_base_config(), 8, 512, gpu=H200, environ={})
+    assert step.peak["workspaces"] == 65 * MIB and step.peak["reduction"] == reduction == 24 * MIB + 24
+    assert leftover == pytest.approx(17.29 * MIB, abs=0.01 * MIB)
+    assert abs(step.requested_peak - (before + requested - leftover)) < 0.05 * MIB
 
 
 @pytest.mark.parametrize(("batch_size", "seq_len", "attention"),
@@ -41,11 +98,17 @@ def test_parameter_bytes_count_the_model():
     assert parameter_bytes(config) == 4 * sum(p.numel() for p in build_model(config).parameters())
 
 
-@pytest.mark.parametrize(("batch_size", "seq_len"), [(4, 128), (8, 256)])
-def test_layer_extrapolation_matches_a_full_trace(batch_size, seq_len):
-    config = bert_base_config(num_hidden_layers=5)
-    full, extrapolated = trace_fake(config, batch_size, seq_len), trace_by_layers(config, batch_size, seq_len)
-    assert extrapolated == full
+def test_the_simulated_gpu_files_activations_as_memtracker_does():
+    """Without PyTorch's MemTracker (whose hooks change when gradients are freed), the simulated GPU files by
+    when a tensor is made; after forward, both count the same activations and weights to the byte, and the same
+    Adam state but for Adam's step counts, which a GPU run keeps on the CPU."""
+    config = bert_base_config(num_hidden_layers=2)
+    trained = [name for name, _ in build_model(config).named_parameters() if ".pooler." not in name]
+    for attention in ("sdpa", "eager"):
+        simulated = trace_fake(config, 4, 128, attention=attention, gpu=H200, environ={}).after_forward
+        tracked = trace_fake(config, 4, 128, attention=attention).after_forward
+        assert simulated["activations"] == tracked["activations"] and simulated["weights"] == tracked["weights"]
+        assert simulated["optimizer"] == tracked["optimizer"] - 4 * len(trained)
 
 
 def test_tracker_on_fake_tensors_equals_real_tensors():
@@ -86,47 +149,46 @@ def test_ddp_buckets_in_a_real_two_process_run_match_the_prediction():
         # spawn, not fork: forking a process whose OpenMP threads already ran can deadlock the children
         mp.spawn(measure_ddp, args=(2, f"{tmpdir}/rendezvous", results), nprocs=2)
         results = dict(results)
-    for rank in (0, 1):
-        buckets, gradients, params = results[(rank, False)]
-        assert buckets == params and agreement(gradients, params) < 1e-3
-        buckets, gradients, params = results[(rank, True)]  # gradients are views into the buckets
-        assert buckets == params and gradients < 1e-3 * params
+    config = bundled_config()
+    for bucket_view in (False, True):
+        (predicted,) = {rank["buckets"] for rank in per_device(config, 4, 16, strategy="ddp", gpus=2, gpu=H200,
+                                                               environ={}, gradient_as_bucket_view=bucket_view)}
+        for rank in (0, 1):
+            buckets, gradients, _ = results[(rank, bucket_view)]
+            assert buckets == predicted
+            assert (gradients < 1e-3 * buckets) if bucket_view else agreement(gradients, buckets) < 1e-3
 
 
-def test_dataparallel_gpu0_carries_the_optimizer_state_and_ddp_adds_buckets():
+def test_dataparallel_gpu0_carries_the_adam_state_and_ddp_the_buckets():
+    """Against counts of the model's own parameters: GPU 0 - GPU 1 under DataParallel is Adam's two moments of
+    every parameter that gets a gradient (all but the pooler), and a DDP rank adds buckets of those parameters."""
     config = bert_base_config()
-    single = per_device(config, 32, 512, strategy="single")[0]
-    gpu0, gpu1 = per_device(config, 64, 512, strategy="dataparallel", gpus=2)
-    assert gpu0 == single  # the master model runs its half of the batch like one device would
-    assert gpu0["total"] - gpu1["total"] == single["optimizer"]
-    for rank in per_device(config, 64, 512, strategy="ddp", gpus=2):
-        assert rank["total"] == single["total"] + parameter_bytes(config)
+    trained = sum(p.numel() for name, p in build_model(config).named_parameters() if ".pooler." not in name)
+    gpu0, gpu1 = per_device(config, 64, 512, strategy="dataparallel", gpus=2, gpu=H200, environ={})
+    assert gpu0["total"] - gpu1["total"] == 8 * trained
+    (single,) = per_device(config, 32, 512, gpu=H200, environ={})
+    for rank in per_device(config, 64, 512, strategy="ddp", gpus=2, gpu=H200, environ={}):
+        assert rank["total"] - single["total"] == 4 * trained
 
 
 def test_levers_lower_the_peak():
     config = bert_base_config()
-    base = per_device(config, 32, 512)[0]
+    base = per_device(config, 32, 512, gpu=H200, environ={})[0]
     for lever in (dict(accumulation=2), dict(checkpointing=True), dict(amp=True)):
-        assert per_device(config, 32, 512, **lever)[0]["total"] < base["total"], lever
-    assert per_device(config, 32, 512, attention="eager")[0]["total"] > base["total"]
+        assert per_device(config, 32, 512, gpu=H200, environ={}, **lever)[0]["total"] < base["total"], lever
+    assert per_device(config, 32, 512, gpu=H200, environ={}, attention="eager")[0]["total"] > base["total"]
 
 
 def test_bad_settings_name_the_parameter():
     config = bert_base_config(num_hidden_layers=1)
-    with pytest.raises(ValueError, match="strategy='fsdp'"):
-        per_device(config, 8, 64, strategy="fsdp")
+    with pytest.raises(ValueError, match="strategy='zero3'"):
+        per_device(config, 8, 64, strategy="zero3")
     with pytest.raises(ValueError, match="batch_size=9 does not split evenly over gpus=2"):
         per_device(config, 9, 64, strategy="ddp", gpus=2)
     with pytest.raises(ValueError, match="accumulation=2"):
         trace_fake(config, 3, 64, accumulation=2)
     with pytest.raises(ValueError, match="attention='flash'"):
         trace_fake(config, 2, 64, attention="flash")
-
-
-def test_cuda_kernel_choice_follows_dtype_and_mask():
-    assert cuda_sdpa_kernel(torch.float32) == "memory-efficient"
-    assert cuda_sdpa_kernel(torch.bfloat16) == "flash"
-    assert cuda_sdpa_kernel(torch.bfloat16, masked=True) == "memory-efficient"
 
 
 def test_amp_emulation_keeps_autocast_dtypes_for_backward():
@@ -169,20 +231,3 @@ def test_checkpointed_layers_recompute_under_the_kernels_of_their_forward():
         again = CudaLikeKernels.for_recomputation()
     assert again is not forward and vars(again) == vars(forward)
     assert isinstance(CudaLikeKernels.for_recomputation(), contextlib.nullcontext)
-
-
-def test_gpu_check_report_states_each_gap_with_its_cause():
-    from helpers.checks.gpu_check import compare, gap_causes
-    from helpers.cuda_step import CudaPeak
-
-    gib = 2**30
-    ok, line = compare("1 GPU, memory-efficient, fp32, B=8, L=128", 2 * gib, int(2.05 * gib))
-    assert ok and line.startswith("ok ") and "gap +2.5%" in line
-    causes = gap_causes({"total": 2 * gib}, gib, CudaPeak(before=int(1.25 * gib), peak=int(2.4 * gib)),
-                        "memory-efficient", "math")
-    ok, line = compare("1 GPU", 2 * gib, int(2.4 * gib), causes)
-    assert not ok and "gap +20.0%" in line
-    assert "runs the math attention kernel; the prediction traced memory-efficient" in line
-    assert "+256 MiB held before the step" in line
-    assert gap_causes({"total": 2 * gib}, gib, CudaPeak(gib, 2 * gib), "flash", "cuDNN") == []
-    assert "not identified" in compare("1 GPU", 2 * gib, 3 * gib)[1]

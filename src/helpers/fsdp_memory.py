@@ -10,9 +10,13 @@ storage inside ``FakeTensorMode``; nothing is allocated.
     python -m helpers.fsdp_memory      # recompute the stored table of predictions (a few minutes)
     torchrun --nproc_per_node=2 -m helpers.fsdp_memory --measure   # on 2 GPUs: what check_fsdp() runs
 
-Like helpers.memory's default (05), the traces keep what CUDA keeps: 1-byte dropout masks and the CUDA SDPA
-kernel (``helpers.memtrace.cuda_sdpa_kernel``: memory-efficient in fp32, flash in bf16), on a batch without
-padding, whose all-ones attention mask transformers drops on real tensors (so none is passed).
+Like helpers.memory (05), the traces keep what CUDA keeps: 1-byte dropout masks and the attention kernel of the
+GPU (``helpers.gpu_facts.sdpa_kernel``; default the H200's: memory-efficient in fp32, cuDNN in bf16), on a batch
+without padding, whose all-ones attention mask transformers drops on real tensors (so none is passed). To the
+tracker's bytes each prediction adds the GPU's cuBLAS workspaces (``helpers.gpu_facts.workspaces``). Unlike
+notebook 05's single-GPU prediction, this one is not replayed into the caching allocator: it counts the bytes
+tensors ask for, not whole blocks, and FSDPMemTracker's module hooks keep each module's input gradients until
+all of them have arrived, which a plain step does not.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from helpers.gpu_facts import GPUS, GpuModel, workspaces
 from helpers.memtrace import CudaLikeKernels, bert_base_config, build_model
 
 GIB = 2**30
@@ -34,7 +39,7 @@ CATEGORIES = {"Sharded Param": "weights", "Buffer": "weights", "Unsharded Param"
               "All Gather": "gathered", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
               "Reduce Scatter": "gradients", "OptState": "optimizer", "Activation": "activations",
               "Temp": "temporaries", "Inputs": "temporaries"}
-ORDER = ("weights", "gathered", "gradients", "optimizer", "activations", "temporaries")
+ORDER = ("weights", "gathered", "gradients", "optimizer", "activations", "temporaries", "workspaces")
 HOST_RESIDENT = ("Sharded Param", "Sharded Grad", "OptState")  # what CPUOffloadPolicy keeps in host memory
 LEVERS = ("none", "mixed precision", "CPU offload", "checkpointing")
 TABLE = Path(str(files("helpers") / "data" / "fsdp_memory" / "predictions.json"))
@@ -72,7 +77,7 @@ def fake_process_group(world_size: int):
 
 
 def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_precision: bool = False,
-               checkpointing: bool = False, seed: int = 0) -> dict[str, int]:
+               checkpointing: bool = False, gpu: GpuModel = GPUS["H200"], seed: int = 0) -> dict[str, int]:
     """Peak bytes of rank 0 of ``world_size`` over one Adam step, by FSDPMemTracker's own categories.
 
     ``batch_size`` is the per-rank batch. ``Net`` is sharded as helpers.fsdp.shard does (each BertLayer, then
@@ -87,7 +92,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
 
     from helpers.fsdp import shard
 
-    key = (config.to_json_string(), batch_size, seq_len, world_size, mixed_precision, checkpointing, seed)
+    key = (config.to_json_string(), batch_size, seq_len, world_size, mixed_precision, checkpointing, gpu, seed)
     if key in _traces:
         return _traces[key]
     options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed_precision else {}
@@ -101,7 +106,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
             def step(size, length):
                 input_ids = torch.randint(0, config.vocab_size, (size, length), generator=generator)
                 labels = torch.randint(0, 2, (size,), generator=generator)
-                with CudaLikeKernels(fused_attention=True):
+                with CudaLikeKernels(fused_attention=True, gpu=gpu):
                     loss = nn.functional.cross_entropy(model(input_ids), labels)
                 loss.backward()
                 optimizer.step()
@@ -117,7 +122,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
     return _traces[key]
 
 
-def trace_by_layers(config, batch_size: int, seq_len: int, world_size: int, **options) -> dict[str, int]:
+def trace_fsdp_by_layers(config, batch_size: int, seq_len: int, world_size: int, **options) -> dict[str, int]:
     """``trace_fsdp`` of the full model from traces of the model cut to three and four layers.
 
     Every encoder layer is the same, so from the third layer on each category grows by the same bytes per
@@ -130,29 +135,35 @@ def trace_by_layers(config, batch_size: int, seq_len: int, world_size: int, **op
     return {kind: three[kind] + (config.num_hidden_layers - 3) * (four[kind] - three[kind]) for kind in three}
 
 
-def by_category(peak: dict[str, int], offload: bool = False) -> dict[str, int]:
-    """A trace in ORDER's words, plus 'total'. ``offload`` leaves out what CPUOffloadPolicy keeps in host memory
-    (sharded weights, sharded gradients, Adam's state), a prediction by subtraction, not a trace."""
-    result = dict.fromkeys(ORDER, 0)
+def fsdp_categories(peak: dict[str, int], offload: bool = False, held: int = 0) -> dict[str, int]:
+    """A trace in ORDER's words, with ``held`` bytes of workspaces, plus 'total'. ``offload`` leaves out what
+    CPUOffloadPolicy keeps in host memory (sharded weights, sharded gradients, Adam's state), a prediction by
+    subtraction, not a trace."""
+    result = dict.fromkeys(ORDER, 0) | {"workspaces": held}
     for kind, nbytes in peak.items():
         if not (offload and kind in HOST_RESIDENT):
             result[CATEGORIES[kind]] += nbytes
     return result | {"total": sum(result.values())}
 
 
-def predict(config, batch_size: int, seq_len: int, gpus: int, lever: str = "none") -> dict[str, int]:
-    """Rank 0's predicted peak bytes by category, for FSDP over ``gpus`` with a per-rank batch of ``batch_size``."""
+def predict_fsdp(config, batch_size: int, seq_len: int, gpus: int, lever: str = "none", *,
+                 gpu: GpuModel = GPUS["H200"], environ: dict[str, str] | None = None) -> dict[str, int]:
+    """Rank 0's predicted peak bytes by category, for FSDP over ``gpus`` with a per-rank batch of ``batch_size``,
+    on ``gpu`` (its attention kernel and its workspaces under ``environ``, default: none of the variables set)."""
     if lever not in LEVERS:
         raise ValueError(f"lever={lever!r}: expected one of {LEVERS}")
-    options = {"mixed_precision": lever == "mixed precision", "checkpointing": lever == "checkpointing"}
-    return by_category(trace_by_layers(config, batch_size, seq_len, gpus, **options), offload=lever == "CPU offload")
+    options = {"mixed_precision": lever == "mixed precision", "checkpointing": lever == "checkpointing", "gpu": gpu}
+    held = sum(workspaces(gpu.capability, environ or {}).values())
+    return fsdp_categories(trace_fsdp_by_layers(config, batch_size, seq_len, gpus, **options),
+                           offload=lever == "CPU offload", held=held)
 
 
 def predict_ddp(config, batch_size: int, seq_len: int) -> dict[str, int]:
-    """Each DDP rank's predicted peak at a per-rank batch of ``batch_size`` (helpers.memory, notebook 05)."""
+    """Each DDP rank's predicted peak at a per-rank batch of ``batch_size`` on an H200 (helpers.memory, notebook 05:
+    replayed into the simulated allocator)."""
     from helpers.memory import per_device
 
-    return per_device(config, 2 * batch_size, seq_len, strategy="ddp", gpus=2)[0]
+    return per_device(config, 2 * batch_size, seq_len, strategy="ddp", gpus=2, gpu=GPUS["H200"], environ={})[0]
 
 
 def parameters(config) -> int:
@@ -168,10 +179,10 @@ def build_table(batch_size: int = 8, seq_len: int = 512, gpus=(2, 4, 8), lever_m
     for name, make in MODELS.items():
         config = make()
         table["models"][name] = {"parameters": parameters(config), "ddp": predict_ddp(config, batch_size, seq_len),
-                                 "fsdp": {str(n): predict(config, batch_size, seq_len, n) for n in gpus}}
+                                 "fsdp": {str(n): predict_fsdp(config, batch_size, seq_len, n) for n in gpus}}
     config = MODELS[lever_model]()
     table["levers"] = {"model": lever_model, "gpus": lever_gpus,
-                       "fsdp": {lever: predict(config, batch_size, seq_len, lever_gpus, lever) for lever in LEVERS}}
+                       "fsdp": {lever: predict_fsdp(config, batch_size, seq_len, lever_gpus, lever) for lever in LEVERS}}
     return table
 
 
@@ -205,7 +216,7 @@ def plot_per_rank(table: dict, cards_gib=(16, 24, 40, 80)):
 # --- on GPUs: measured against predicted ------------------------------------------------------------------
 
 CHECK = {"batch_size": 8, "seq_len": 512, "gpus": 2}  # BERT-base; the prediction is the table's
-TOLERANCE = 0.05
+FSDP_TOLERANCE = 0.05
 
 
 def measure_cuda_rank() -> None:
@@ -276,7 +287,7 @@ def check_fsdp() -> list[tuple[bool, str]]:
                                                 f"backend {measured['backend']}")]
     for rank, peak in enumerate(measured["peaks"]):
         gap = (peak - predicted) / predicted
-        ok = abs(gap) <= TOLERANCE
+        ok = abs(gap) <= FSDP_TOLERANCE
         results.append((ok, f"{'ok  ' if ok else 'FAIL'} FSDP rank {rank}, BERT-base, {gpus} GPUs, "
                             f"B={CHECK['batch_size']}/rank, L={CHECK['seq_len']}  predicted {predicted / GIB:7.2f} GiB"
                             f"  measured {peak / GIB:7.2f} GiB  gap {gap:+.1%}"))

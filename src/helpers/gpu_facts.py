@@ -1,0 +1,194 @@
+"""What a CUDA GPU holds besides the step's tensors, and which attention kernel it picks: facts read in PyTorch's
+source, written as pure functions of the GPU and the environment, so that a prediction can include them.
+
+Sources (C++, not part of the installed wheel; read on github.com/pytorch/pytorch, commit named per fact):
+
+- aten/src/ATen/cuda/CublasHandlePool.cpp (commit 26a3905): ``parseChosenWorkspaceSize``,
+  ``parseCUDABlasLtWorkspaceSize``, ``getCUDABlasLtWorkspaceSize``, ``setWorkspaceForHandle``,
+  ``getCUDABlasLtWorkspace``: one cuBLAS workspace per (handle, stream) and one cuBLASLt workspace per
+  (handle, stream), both taken from the caching allocator (so ``memory_allocated`` counts them) and kept.
+  Handles are per thread: the thread that runs forward and autograd's device thread each get one.
+- aten/src/ATen/native/cuda/Reduce.cuh (``setReduceConfig``, ``ReduceConfig::global_memory_size``,
+  ``gpu_reduce_kernel``): a sum over the rows of an (N, C) tensor splits each column over several blocks when N
+  is large, and the blocks meet in a staging buffer taken from the caching allocator for the kernel's duration.
+- aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (commit 21c3369): which fused attention kernel
+  ``scaled_dot_product_attention`` may use (``check_flash_attention_hardware_support``: sm80 to sm90;
+  ``check_prefer_cudnn_attention``: cuDNN first from sm90 on, cuDNN >= 9; fp16/bf16 only for flash and cuDNN).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KIB = 2**10
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """What the prediction needs to know about a GPU (``torch.cuda.get_device_properties`` gives the same)."""
+
+    name: str
+    capability: tuple[int, int]   # compute capability (major, minor)
+    sm_count: int                 # multiProcessorCount
+    max_threads_per_sm: int       # maxThreadsPerMultiProcessor
+    memory: int                   # bytes, as sold (nvidia-smi shows a little less)
+    kernels: tuple[str, str] | None = None  # the attention kernels (fp32, bf16) this GPU was seen to pick, if asked
+
+    @property
+    def sm(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+
+# NVIDIA's published figures (SM counts from each product's datasheet; threads per SM from the CUDA C++
+# Programming Guide's table of compute capabilities). Memory as sold: GB = 10^9 bytes.
+GPUS = {gpu.name: gpu for gpu in (
+    GpuModel("H200", (9, 0), 132, 2048, 141 * 10**9),     # the GPU of the recorded run (gpu-runs/2026-12-04-h200)
+    GpuModel("H100", (9, 0), 132, 2048, 80 * 10**9),      # SXM5
+    GpuModel("A100-80GB", (8, 0), 108, 2048, 80 * 10**9),
+    GpuModel("A100-40GB", (8, 0), 108, 2048, 40 * 10**9),
+    GpuModel("L4", (8, 9), 58, 1536, 24 * 10**9),
+    GpuModel("RTX4090", (8, 9), 128, 1536, 24 * 10**9),
+    GpuModel("A10", (8, 6), 72, 1536, 24 * 10**9),
+    GpuModel("V100", (7, 0), 80, 2048, 16 * 10**9),
+    GpuModel("T4", (7, 5), 40, 1024, 16 * 10**9),
+)}
+
+
+def this_gpu(device: int = 0) -> GpuModel:
+    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
+    kernels it picks for BERT's training call (asked of torch, ``helpers.cuda_step.gpu_sdpa_kernel``)."""
+    import torch
+
+    from helpers.cuda_step import gpu_sdpa_kernel
+    from helpers.memtrace import bert_base_config
+
+    props = torch.cuda.get_device_properties(device)
+    with torch.cuda.device(device):
+        kernels = tuple(gpu_sdpa_kernel(bert_base_config(), 8, 128, dtype) for dtype in (torch.float32, torch.bfloat16))
+    return GpuModel(props.name, (props.major, props.minor), props.multi_processor_count,
+                    props.max_threads_per_multi_processor, props.total_memory, kernels)
+
+
+# --- cuBLAS and cuBLASLt workspaces ------------------------------------------------------------------------------
+
+def cublas_workspace_size(capability: tuple[int, int], environ: dict[str, str]) -> int:
+    """Bytes of one cuBLAS workspace (``parseChosenWorkspaceSize``).
+
+    ``CUBLAS_WORKSPACE_CONFIG=:SIZE:COUNT[:SIZE:COUNT...]`` gives the sum of SIZE KiB x COUNT (``--deterministic``
+    sets ``:4096:8``); a value without any ``:SIZE:COUNT`` is ignored (with a warning) like an unset one. Default:
+    4096 KiB x 8 = 32 MiB on sm90 (exactly 9.0), else 4096 KiB x 2 + 16 KiB x 8.
+    """
+    pairs = re.findall(r":([0-9]+):([0-9]+)", environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(size) * KIB * int(count) for size, count in pairs)
+    return 4096 * KIB * 8 if tuple(capability) == (9, 0) else 4096 * KIB * 2 + 16 * KIB * 8
+
+
+def cublaslt_workspace_size(capability: tuple[int, int], environ: dict[str, str]) -> int:
+    """Bytes of one cuBLASLt workspace (``getCUDABlasLtWorkspaceSize``): ``CUBLASLT_WORKSPACE_SIZE`` KiB, default
+    1024, never more than the cuBLAS workspace; 0 when ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes cuBLASLt use the
+    cuBLAS workspace itself (``getCUDABlasLtWorkspace``)."""
+    if environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").lower() in ("1", "true", "on", "yes", "y"):
+        return 0
+    value = environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+    size = int(value) * KIB if value.strip().isdigit() else 1024 * KIB  # anything else: warned about, default
+    return min(size, cublas_workspace_size(capability, environ))
+
+
+def workspaces(capability: tuple[int, int], environ: dict[str, str], deterministic: bool = False) -> dict[str, int]:
+    """The workspaces a training step leaves allocated, by name, in bytes.
+
+    Two cuBLAS workspaces: the forward's thread and autograd's device thread each hold a handle on the current
+    stream. One cuBLASLt workspace: the forward's linear layers with a bias run as cuBLASLt GEMMs with the bias
+    fused (``addmm``), the backward's matrix products as plain cuBLAS GEMMs. This is what the H200 snapshot
+    shows (2 x 32 MiB + 1 MiB). ``deterministic`` is what ``--deterministic`` sets: ``CUBLAS_WORKSPACE_CONFIG``
+    ``:4096:8`` unless it is set already.
+    """
+    if deterministic:
+        environ = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} | dict(environ)
+    return {"cuBLAS (forward thread)": cublas_workspace_size(capability, environ),
+            "cuBLAS (autograd thread)": cublas_workspace_size(capability, environ),
+            "cuBLASLt (forward thread)": cublaslt_workspace_size(capability, environ)}
+
+
+# --- the reduction kernel's staging buffer ----------------------------------------------------------------------
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (n.bit_length() - 1))
+
+
+def reduce_buffers(rows: int, columns: int, gpu: GpuModel, *, accumulate_bytes: int = 4,
+                   max_threads: int = 512) -> tuple[int, int]:
+    """Bytes of the staging buffer and of the semaphores (one int per block column) that ``gpu_reduce_kernel``
+    takes to sum a contiguous (rows, columns) tensor over its rows (a bias gradient); (0, 0) when it needs none.
+    This follows ``setReduceConfig`` for that case.
+
+    The columns are the fastest dimension, so threads of a warp take neighbouring columns, four at a time
+    ("vectorize along output", when ``columns`` is a multiple of 4); warps split the rows. When each thread
+    would still sum 256 values or more, the rows are split over ``ctas_per_output`` blocks as well, and the
+    blocks add up their partial sums through a buffer of ``accumulate_bytes`` (fp32 for fp32 and bf16 inputs)
+    per column, per block, per thread of a warp row. The number of blocks is bounded by what fills the GPU
+    (SMs x blocks per SM), so the buffer stops growing with ``rows`` on large batches.
+    """
+    vector = 4 if columns % 4 == 0 else 2 if columns % 2 == 0 else 1
+    dim0, dim1 = columns // vector, rows
+    threads = max_threads // vector
+    width = min(_last_pow2(dim0) if dim0 < threads else threads, 32)
+    height = min(_last_pow2(dim1) if dim1 < threads else threads, threads // width)
+    width = min(_last_pow2(dim0) if dim0 < threads else threads, threads // height)
+    step_output, step_input = width, 1
+    if -(-rows // step_input) >= min(height * 16, 256):   # split the rows across warps
+        step_input *= height
+    else:
+        return 0, 0
+    grid = -(-(columns // vector) // step_output)
+    values_per_thread = -(-rows // step_input)
+    target_grid = gpu.sm_count * (gpu.max_threads_per_sm // (width * height))
+    if values_per_thread < 256 or grid > target_grid:
+        return 0, 0
+    ctas = max(min(-(-target_grid // grid), -(-values_per_thread // 16)), -(-values_per_thread // 256))
+    if ctas <= 1:
+        return 0, 0
+    return accumulate_bytes * columns * ctas * width * vector, 4 * grid
+
+
+# --- attention kernels ----------------------------------------------------------------------------------------
+
+def sdpa_kernel(capability: tuple[int, int], half: bool, masked: bool = False) -> str:
+    """The kernel ``scaled_dot_product_attention`` picks for BERT's training call (head size 64, dropout) on a GPU
+    of this compute capability: ``half`` for fp16/bf16 inputs (autocast), ``masked`` with a padding mask.
+
+    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask; flash runs on sm80 to sm90. From sm90
+    on, PyTorch prefers cuDNN (measured on the H200 with torch 2.11: bf16 picked cuDNN). Everything else takes
+    the memory-efficient kernel. On a GPU, ``helpers.cuda_step.gpu_sdpa_kernel`` asks torch instead.
+    """
+    major = capability[0]
+    if not half or masked:
+        return "memory-efficient"
+    if major >= 9:
+        return "cuDNN"
+    if major == 8:
+        return "flash"
+    return "memory-efficient"
+
+
+def attention_kernel(gpu: GpuModel, half: bool, masked: bool = False) -> str:
+    """The kernel ``gpu`` runs BERT's attention with: what it was seen to pick where it was asked (an unmasked
+    batch), else ``sdpa_kernel`` by its compute capability."""
+    if gpu.kernels and not masked:
+        return gpu.kernels[half]
+    return sdpa_kernel(gpu.capability, half, masked)
+
+
+MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB|G|M)?\s*$", re.IGNORECASE)
+UNITS = {"gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of a memory size as people write it: ``16GiB``, ``24GB`` (10^9 bytes), ``40960MiB``, ``80`` (GiB)."""
+    match = MEMORY_SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a memory size: write e.g. 16GiB, 24GB or 40960MiB")
+    number, unit = match.groups()
+    return int(float(number) * UNITS[(unit or "GiB").lower()])

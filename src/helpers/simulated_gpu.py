@@ -1,0 +1,157 @@
+"""One CUDA device, simulated on the CPU: a traced training step's tensors replayed into PyTorch's caching
+allocator, with what CUDA allocates that a CPU trace does not. This turns a trace on fake tensors into a
+prediction of ``torch.cuda.max_memory_allocated``.
+
+Each tensor is filed, when it is made, under what it is (the words of notebook 05): weights (made with the
+model), the batch, activations (made in forward), temporaries (made in backward; a parameter's gradient is
+moved to gradients once autograd stores it), optimizer (made inside ``optimizer.step()``: Adam's state and the
+update's intermediates). What CUDA adds (``helpers.gpu_facts``): the cuBLAS and cuBLASLt workspaces at the first
+matrix product of each thread (workspaces), and the staging buffer of each large bias-gradient sum (reduction).
+The allocator (``helpers.allocator``) counts whole blocks; what they hold beyond the requested bytes is filed
+under allocator.
+
+PyTorch's own tracker (``MemTracker``) is not used here on purpose: its module hooks keep a module's input
+gradients until every input of that module has its gradient (``register_multi_grad_hook`` in ModTracker), which
+a plain step does not do; at the peak of BERT-base's backward that is one 48 MiB gradient too many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from helpers.allocator import CachingAllocator
+from helpers.gpu_facts import GpuModel, reduce_buffers, workspaces
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporaries", "workspaces", "reduction", "batch",
+              "allocator")
+_GEMMS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+          torch.ops.aten.baddbmm.default}
+
+
+class SimulatedGpu:
+    """A CUDA device's memory over traced code: run the code under ``replay()`` and say what it is doing with
+    ``phase`` (what new tensors are: "weights", "batch", "activations", "temporaries", "optimizer") and
+    ``backward`` (autograd's thread, which holds its own cuBLAS workspace, is running).
+
+    ``now()`` gives the bytes held by category, ``total`` being the allocated bytes; ``watch()`` starts a window
+    whose ``peak`` is ``now()`` at the moment the allocated bytes were highest.
+    """
+
+    replaying: list[SimulatedGpu] = []  # devices whose replay() is active, innermost last
+
+    def __init__(self, gpu: GpuModel, environ: dict[str, str] | None = None, deterministic: bool = False):
+        self.gpu = gpu
+        self.allocator = CachingAllocator()
+        self.workspace_sizes = workspaces(gpu.capability, os.environ if environ is None else environ, deterministic)
+        self.phase = "weights"
+        self.backward = False
+        self.held = dict.fromkeys(CATEGORIES, 0)   # requested bytes by category
+        self._category: dict[object, str] = {}     # key of each live allocation -> its category
+        self._keys = WeakIdKeyDictionary()         # storage -> key
+        self.peak: dict[str, int] | None = None
+
+    # --- what the step does ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def replay(self):
+        """Run traced code under this to replay its tensors into the device."""
+        SimulatedGpu.replaying.append(self)
+        try:
+            with _Replay(self):
+                yield self
+        finally:
+            SimulatedGpu.replaying.remove(self)
+
+    @contextlib.contextmanager
+    def recomputation(self):
+        """A checkpointed layer's forward re-run in backward: what it saves counts as activations again."""
+        phase, self.phase = self.phase, "activations"
+        try:
+            yield
+        finally:
+            self.phase = phase
+
+    def gradient(self, tensor: torch.Tensor) -> None:
+        """``tensor`` became a parameter's ``.grad``: file its bytes under gradients."""
+        key = self._keys.get(tensor.untyped_storage())
+        if key is not None and self._category[key] != "gradients":
+            self._file(key, "gradients")
+
+    # --- the counters ---------------------------------------------------------------------------------------
+    def now(self) -> dict[str, int]:
+        allocator = self.allocator
+        return self.held | {"allocator": allocator.allocated - allocator.requested, "total": allocator.allocated}
+
+    def watch(self) -> None:
+        """From now on, ``peak`` is the moment of the highest allocated bytes."""
+        self.peak = self.now()
+
+    def _file(self, key, category: str) -> None:
+        size = self.allocator.size_of(key)
+        self.held[self._category[key]] -= size
+        self.held[category] += size
+        self._category[key] = category
+
+    def allocate(self, key, size: int, category: str) -> None:
+        if self.allocator.malloc(key, size) is None:
+            return
+        self._category[key] = category
+        self.held[category] += size
+        if self.peak is not None and self.allocator.allocated > self.peak["total"]:
+            self.peak = self.now()
+
+    def free(self, key) -> None:
+        category = self._category.pop(key, None)
+        if category is not None:
+            self.held[category] -= self.allocator.size_of(key)
+            self.allocator.free(key)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        if self.phase == "optimizer" and tensor.dim() == 0:
+            return  # Adam's step counts: CPU tensors unless capturable or fused (torch/optim/adam.py, _init_group)
+        storage = tensor.untyped_storage()
+        if storage in self._keys:
+            return
+        key = object()
+        self._keys[storage] = key
+        weakref.finalize(storage, self.free, key)
+        self.allocate(key, storage.nbytes(), self.phase)
+
+    def after(self, func, args) -> None:
+        """What the CUDA kernel of ``func`` allocates besides its outputs."""
+        if func in _GEMMS:
+            thread = "autograd thread" if self.backward else "forward thread"
+            names = [f"cuBLAS ({thread})"] + ([f"cuBLASLt ({thread})"] if func is torch.ops.aten.addmm.default else [])
+            for name in names:
+                if name in self.workspace_sizes and name not in self._category:
+                    self.allocate(name, self.workspace_sizes[name], "workspaces")
+        elif func is torch.ops.aten.sum.dim_IntList:
+            source, dims = args[0], sorted(d % args[0].dim() for d in args[1])
+            if source.is_contiguous() and source.dim() >= 2 and dims == list(range(source.dim() - 1)):
+                staging, semaphores = reduce_buffers(source.numel() // source.shape[-1], source.shape[-1], self.gpu)
+                if staging:  # taken for the kernel's duration; the semaphores are released first
+                    buffer, flags = object(), object()
+                    self.allocate(buffer, staging, "reduction")
+                    self.allocate(flags, semaphores, "reduction")
+                    self.free(flags)
+                    self.free(buffer)
+
+
+class _Replay(TorchDispatchMode):
+    def __init__(self, device: SimulatedGpu):
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.device.track(tensor)
+        self.device.after(func, args)
+        return out
