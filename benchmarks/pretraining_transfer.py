@@ -3,8 +3,9 @@
 For each model: the pre-trained body with the two learning rates of ``learning_rates_for``, the same
 architecture and vocabulary from random initialisation, the pre-trained body with one shared rate (the
 head's), and with a body rate five times smaller (what protects a well pre-trained body); beside the
-bag-of-words baseline of notebook 02, alone and with the mean of the model's input word embeddings over the
-sentence's tokens (standardised) appended: for a model whose embeddings are word vectors, the fair baseline.
+bag-of-words baseline (helpers.baseline; exercise 3 of notebook 02), alone and with the mean of the model's
+input word embeddings over the sentence's tokens (standardised) appended: for a model whose embeddings are word
+vectors, the fair baseline.
 Validation and test accuracy after 2 epochs, median (and range) over
 seeds: the seed sets the head's and the random body's initial weights and the batch order, and moves accuracy
 by a few points on these 522-sentence splits.

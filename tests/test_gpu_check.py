@@ -73,19 +73,6 @@ def test_without_cuda_the_json_report_says_skipped(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["result"] == "skipped"
 
 
-def test_the_one_gpu_copy_changes_device_ids_in_code_only(tmp_path):
-    from helpers.checks.gpu_check import ROOT, one_gpu_copy
-
-    target = tmp_path / "04.ipynb"
-    assert one_gpu_copy(ROOT / "notebooks" / "04_fix_with_module.ipynb", target)
-    cells = json.loads(target.read_text(encoding="utf-8"))["cells"]
-    code = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    prose = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    assert "device_ids=[0, 1]" not in code and "device_ids=[0]" in code
-    assert "device_ids=[0, 1]" in prose  # the instruction itself stays
-    assert not one_gpu_copy(ROOT / "notebooks" / "00_setup.ipynb", tmp_path / "00.ipynb")
-
-
 def test_each_row_is_emitted_before_the_next_check_runs():
     order = []
 

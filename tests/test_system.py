@@ -1,5 +1,7 @@
 """What the machine offers: versions, and NVML's answer with or without a driver."""
 
+from importlib.metadata import PackageNotFoundError
+
 import pynvml
 import torch
 
@@ -10,6 +12,19 @@ def test_versions_name_the_series_libraries():
     versions = library_versions()
     assert {"python", "torch", "transformers", "fugashi", "unidic-lite", "ipadic", "nvidia-ml-py"} <= set(versions)
     assert versions["torch"].startswith("2.13.0")
+
+
+def test_a_library_without_package_metadata_is_reported_not_raised(monkeypatch):
+    import helpers.system
+
+    def version(name):
+        if name == "unidic-lite":
+            raise PackageNotFoundError(name)
+        return "1.0"
+
+    monkeypatch.setattr(helpers.system, "version", version)
+    versions = library_versions()
+    assert versions["unidic-lite"] == "no package metadata" and versions["torch"] == "1.0"
 
 
 def test_nvml_without_a_driver_says_why(monkeypatch):

@@ -1,4 +1,13 @@
-"""The memo's classifier, with its traps fixed: a BERT body and a linear head on the [CLS] vector."""
+"""The memo's classifier, with its traps fixed: a BERT body and a linear head on the [CLS] vector.
+
+Differences from the memo (notebook 01 shows each trap): the hidden size comes from the config instead of a
+hard-coded 768, the attention mask is passed so padding does not change the [CLS] vector, and no softmax is
+applied: ``CrossEntropyLoss`` applies log-softmax itself.
+
+``forward`` never uses BERT's pooler, so under DistributedDataParallel it gets no gradient and DDP stops on the
+second step (notebook 06); ``pooler=False`` drops it, leaving what ``BertModel.from_pretrained(...,
+add_pooling_layer=False)`` builds, without its warning about unused weights.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +17,8 @@ from helpers.models import ModelChoice, load_bert
 
 
 class Net(nn.Module):
-    """BERT + ``nn.Linear(hidden, num_labels)`` on the [CLS] vector; ``forward`` returns logits.
-
-    Differences from the memo (notebook 01 shows each trap): the hidden size comes from the config
-    instead of a hard-coded 768, the attention mask is passed so padding does not change the [CLS]
-    vector, and no softmax is applied: ``CrossEntropyLoss`` applies log-softmax itself.
-
-    ``forward`` never uses BERT's pooler, so under DistributedDataParallel it gets no gradient and DDP
-    stops on the second step (notebook 06); ``pooler=False`` drops it, leaving what
-    ``BertModel.from_pretrained(..., add_pooling_layer=False)`` builds, without its warning about unused weights.
-    """
+    """BERT + ``nn.Linear(hidden, num_labels)`` on the [CLS] vector; ``forward`` returns logits, not probabilities.
+    ``pooler=False`` drops BERT's pooler: ``forward`` never uses it, and DDP stops on unused parameters (module docstring)."""
 
     def __init__(self, model: str | ModelChoice | None = None, num_labels: int = 2, pooler: bool = True):
         super().__init__()

@@ -25,8 +25,8 @@ def learning_rates_for(config) -> tuple[float, float]:
     """``(body_lr, head_lr)`` for fine-tuning a BERT with this ``config``: the memo's rates from BERT-base's width up.
 
     The memo's 5e-5 / 1e-4 are for BERT-base (hidden size 768), pre-trained on a large corpus. Adam moves
-    each weight by about the learning rate per step, so a narrower model's outputs move less at the same
-    rate; narrower models (the bundled tiny one: 128) get ten times both. The head always learns twice
+    each weight by at most about the learning rate per step, so a narrower model's outputs move less at the
+    same rate; narrower models (the bundled tiny one: 128) get ten times both. The head always learns twice
     as fast as the body.
     """
     if config.hidden_size >= 768:
@@ -43,21 +43,25 @@ def groups_by_tensor(optimizer: torch.optim.Optimizer) -> dict[int, list[int]]:
     return groups
 
 
+def param_group_problems(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """What is wrong with the groups: trainable parameters of ``model`` in no group or in two, and strangers."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups_of = groups_by_tensor(optimizer)
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in groups_of]
+    repeated = [f"{names.get(key, '?')} (groups {where})" for key, where in groups_of.items() if len(where) > 1]
+    strangers = sum(key not in names for key in groups_of)
+    problems = [f"not in any group: {abbreviate(missing)}"] if missing else []
+    if repeated:
+        problems.append(f"in more than one group: {abbreviate(repeated)}")
+    if strangers:
+        problems.append(f"{strangers} tensor(s) that are not parameters of {type(model).__name__}")
+    return problems
+
+
 def audit_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
     """Check that every trainable parameter of ``model`` sits in exactly one group; returns param_group_rows.
     Raises ParamGroupError naming the parameters that are missing, in two groups, or not the model's."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    groups_of = groups_by_tensor(optimizer)
-    problems = []
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in groups_of]
-    if missing:
-        problems.append(f"not in any group: {abbreviate(missing)}")
-    repeated = [f"{names.get(key, '?')} (groups {where})" for key, where in groups_of.items() if len(where) > 1]
-    if repeated:
-        problems.append(f"in more than one group: {abbreviate(repeated)}")
-    strangers = sum(key not in names for key in groups_of)
-    if strangers:
-        problems.append(f"{strangers} tensor(s) that are not parameters of {type(model).__name__}")
+    problems = param_group_problems(model, optimizer)
     if problems:
         raise ParamGroupError("; ".join(problems))
     return param_group_rows(optimizer)

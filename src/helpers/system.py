@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -12,8 +12,16 @@ LIBRARIES = ("torch", "transformers", "tokenizers", "fugashi", "unidic-lite", "i
 
 
 def library_versions() -> dict[str, str]:
-    """Python and the versions of the libraries the series depends on."""
-    return {"python": platform.python_version()} | {name: version(name) for name in LIBRARIES}
+    """Python and the versions of the libraries the series depends on; "no package metadata" for a library pip
+    does not know (missing, or its files copied in without the package's metadata), so the check itself never stops."""
+    return {"python": platform.python_version()} | {name: installed_version(name) for name in LIBRARIES}
+
+
+def installed_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "no package metadata"
 
 
 def nvml_status() -> str:

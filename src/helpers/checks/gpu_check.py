@@ -194,39 +194,16 @@ def first_failing_cell(executed: Path) -> str | None:
     return None
 
 
-ONE_GPU_EDIT = ("device_ids=[0, 1]", "device_ids=[0]")
-"""What notebooks 03 and 04 tell a reader with one GPU to change before running them."""
-
-
-def one_gpu_copy(notebook: Path, target: Path) -> bool:
-    """Write ``notebook`` to ``target`` with ONE_GPU_EDIT made in its code cells; True if anything changed."""
-    data = json.loads(notebook.read_text(encoding="utf-8"))
-    changed = False
-    for cell in data["cells"]:
-        source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and ONE_GPU_EDIT[0] in source:
-            cell["source"], changed = source.replace(*ONE_GPU_EDIT), True
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
-    return changed
-
-
-def execute_notebooks(scratch: Path, gpus: int, pattern: str = "*"):
+def execute_notebooks(scratch: Path, pattern: str = "*"):
     """Execute the notebooks matching ``pattern`` into ``scratch`` (the committed notebooks are left untouched),
     every cell even after an error, so that the report names the first failing cell; one line per notebook, as
-    each finishes. With one GPU, ``device_ids=[0, 1]`` is first changed to ``[0]``, as 03 and 04 tell such a
-    reader to do."""
+    each finishes. Notebooks run as they are: each picks its devices from the machine (helpers.devices,
+    helpers.launch)."""
     for notebook in series_notebooks(pattern):
         target = scratch / notebook.relative_to(ROOT / "notebooks")
-        source, edited = notebook, False
-        if gpus == 1:
-            source = scratch / "edited" / notebook.relative_to(ROOT / "notebooks")
-            edited = one_gpu_copy(notebook, source)
-        run = execute_copy(source, target, allow_errors=True)
+        run = execute_copy(notebook, target, allow_errors=True)
         failure = first_failing_cell(target) if run.returncode == 0 else (run.stderr.strip().splitlines() or [""])[-1]
-        yield (failure is None, f"notebook {notebook.relative_to(ROOT)}"
-               + (f" (with {ONE_GPU_EDIT[0]} -> {ONE_GPU_EDIT[1]})" if edited else "")
-               + (f": {failure}" if failure else ""))
+        yield failure is None, f"notebook {notebook.relative_to(ROOT)}" + (f": {failure}" if failure else "")
 
 
 # --- the report ---------------------------------------------------------------------------------------------------
@@ -299,7 +276,7 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: str | None) -> dict[str, cal
         checks["resume"] = lambda: [runs.check_kill_and_resume(2, scratch / "resume-2", "--deterministic")]
         checks["fsdp"] = check_fsdp
     if notebooks:
-        checks["notebooks"] = lambda: execute_notebooks(scratch / "notebooks", gpus, notebooks)
+        checks["notebooks"] = lambda: execute_notebooks(scratch / "notebooks", notebooks)
     return checks
 
 
