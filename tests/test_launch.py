@@ -101,9 +101,9 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 
 def test_a_worker_exception_is_told_by_the_lowest_rank():
     assert why_it_failed(WORKER_EXCEPTION).splitlines() == [
-        "[rank0] RuntimeError: Expected to have finished reduction in the prior iteration.",
-        "[rank0] Parameter indices which did not receive grad for rank 0: 69 70",
-        "[rank0]  In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG"]
+        "[rank0]: RuntimeError: Expected to have finished reduction in the prior iteration.",
+        "[rank0]: Parameter indices which did not receive grad for rank 0: 69 70",
+        "[rank0]:  In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG"]
 
 
 def test_a_run_killed_without_a_traceback_shows_the_end_of_its_output():

@@ -40,8 +40,7 @@ def why_it_failed(output: str) -> str:
     workers = lines[:end]
     ranks = sorted({int(match.group(1)) for match in map(RANK_PREFIX.match, workers) if match})
     if ranks:
-        prefix = f"[rank{ranks[0]}]"
-        workers = [f"{prefix} {RANK_PREFIX.sub('', line)}" for line in workers if line.startswith(prefix)]
+        workers = [line for line in workers if line.startswith(f"[rank{ranks[0]}]")]
     frames = [i for i, line in enumerate(workers) if RANK_PREFIX.sub("", line).startswith("  ")]
     exception = workers[frames[-1] + 1:] if frames else []
     return "\n".join(exception or lines[-10:])
