@@ -1,6 +1,5 @@
 """Batches are padded to their longest sentence, with an attention mask that marks the padding."""
 
-
 from helpers.data import Example, PadToLongest, load_split, make_loader
 from helpers.models import load_tokenizer
 
