@@ -5,7 +5,6 @@ import ast
 import io
 import json
 import re
-import subprocess
 import sys
 import tokenize
 from pathlib import Path
