@@ -1,7 +1,5 @@
 """Batches are padded to their longest sentence, with an attention mask that marks the padding."""
 
-import torch
-
 from helpers.data import Example, PadToLongest, load_split, make_loader
 from helpers.models import load_tokenizer
 
@@ -32,9 +30,3 @@ def test_shuffled_loader_is_fixed_by_its_seed():
     assert first == again and first != other
     widths = [len(b[0]) for b in first]
     assert len(set(widths)) > 1  # each batch has its own width
-
-
-def test_bundled_splits_are_balanced_and_labelled():
-    for split in ("train", "validation", "test"):
-        labels = torch.tensor([e.label for e in load_split(split)])
-        assert labels.sum().item() * 2 == len(labels)

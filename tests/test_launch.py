@@ -1,11 +1,22 @@
-"""helpers.launch decides how a notebook starts N processes: GPUs where there is one per process, else the CPU."""
+"""helpers.launch decides how a notebook starts N processes: GPUs where there is one per process, else the CPU;
+every multi-process command of every notebook goes through it, and a failed run says why."""
 
-import subprocess
+import ast
+import io
+import json
+import re
 import sys
+import tokenize
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from helpers.launch import plan_launch
+from helpers.launch import LaunchFailed, plan_launch, why_it_failed
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(ROOT.glob("notebooks/**/*.ipynb"))
+SCRIPT = ROOT / "examples" / "ddp_minimal.py"
 
 
 @pytest.mark.parametrize(("gpus", "device"), [(0, "cpu"), (1, "cpu"), (2, "cuda"), (8, "cuda")])
@@ -32,7 +43,116 @@ def test_no_processes_is_refused():
 def test_the_command_runs_here():
     """The command it builds starts real processes on this machine (torch sees no GPU here: the CPU)."""
     launch = plan_launch(2)
-    run = subprocess.run(launch.torchrun("--help"), env=launch.env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert "--device" in run.stdout
+    assert "--device" in launch.run("--help")
     assert launch.shell("--help").startswith(sys.executable)
+
+
+def test_a_script_gets_no_device_option():
+    command = plan_launch(2, gpus=0).torchrun("--x", script=SCRIPT)
+    assert command[-2:] == [str(SCRIPT), "--x"] and "--device" not in command
+
+
+def script_rule():
+    """The condition with which examples/ddp_minimal.py chooses a GPU, compiled from the script's own source."""
+    tree = ast.parse(SCRIPT.read_text(encoding="utf-8"))
+    (test,) = [node.test for node in ast.walk(tree) if isinstance(node, ast.If) and "device_count" in ast.unparse(node.test)]
+    return compile(ast.Expression(test), str(SCRIPT), "eval")
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+def test_ddp_minimal_picks_its_device_by_the_same_rule(gpus, processes):
+    """06 launches the script without --device: the script's own choice must be the one plan_launch prints."""
+    torch = SimpleNamespace(cuda=SimpleNamespace(device_count=lambda: gpus))
+    os = SimpleNamespace(environ={"LOCAL_WORLD_SIZE": str(processes)})  # torchrun: processes on this machine
+    on_gpu = eval(script_rule(), {"torch": torch, "os": os})
+    assert ("cuda" if on_gpu else "cpu") == plan_launch(processes, gpus=gpus).device
+
+
+def test_a_refused_run_raises_with_the_refusal():
+    """What a one-GPU machine showed when 08 asked for two CUDA processes, here by asking for CUDA without one."""
+    with pytest.raises(LaunchFailed, match=r"^exit status 1: error: --device cuda: torch sees no CUDA device") as failed:
+        plan_launch(2, gpus=2).run("--epochs", "1")
+    assert failed.value.returncode == 1  # torchrun's own status when a worker fails (each worker exited with 2)
+    assert "Failures:" in failed.value.output  # its report, kept whole
+
+
+WORKER_EXCEPTION = """\
+2 process(es), backend gloo, device cpu; batch 16 per rank x 2 = global batch 32
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 54, in train_epoch
+[rank1]:     logits = model(batch)
+[rank1]: RuntimeError: Expected to have finished reduction in the prior iteration.
+[rank1]: Parameter indices which did not receive grad for rank 1: 69 70
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "train.py", line 54, in train_epoch
+[rank0]:     logits = model(batch)
+[rank0]:              ^^^^^^^^^^^^
+[rank0]: RuntimeError: Expected to have finished reduction in the prior iteration.
+[rank0]: Parameter indices which did not receive grad for rank 0: 69 70
+[rank0]:  In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG
+E1204 18:43:36.642000 17232 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0
+Traceback (most recent call last):
+  File "run.py", line 1032, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+
+
+def test_a_worker_exception_is_told_by_the_lowest_rank():
+    assert why_it_failed(WORKER_EXCEPTION).splitlines() == [
+        "[rank0]: RuntimeError: Expected to have finished reduction in the prior iteration.",
+        "[rank0]: Parameter indices which did not receive grad for rank 0: 69 70",
+        "[rank0]:  In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG"]
+
+
+def test_a_run_killed_without_a_traceback_shows_the_end_of_its_output():
+    output = "step 1\n" + "\n".join(f"line {i}" for i in range(20)) + "\n  exitcode  : -9 (pid: 1)"
+    assert why_it_failed(output).splitlines()[-1] == "  exitcode  : -9 (pid: 1)"
+    assert len(why_it_failed(output).splitlines()) == 10
+
+
+def code_cells():
+    """(notebook, cell index, code without comments) of every code cell, IPython's ``!`` lines turned into calls."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    for notebook in NOTEBOOKS:
+        for index, cell in enumerate(json.loads(notebook.read_text(encoding="utf-8"))["cells"]):
+            if cell["cell_type"] == "code":
+                lines = TransformerManager().transform_cell("".join(cell["source"])).splitlines(keepends=True)
+                for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+                    if token.type == tokenize.COMMENT:  # comments may name torchrun; only code counts
+                        (row, start), (_, end) = token.start, token.end
+                        lines[row - 1] = lines[row - 1][:start] + " " * (end - start) + lines[row - 1][end:]
+                yield notebook, index, "".join(lines)
+
+
+# a launcher spelled out (in code or a shell line), not the Launch method of that name
+STARTS_PROCESSES = re.compile(r"torch\.distributed\.run|(?<![.\w])torchrun\b|nproc_per_node|\bspawn\(|multiprocessing")
+
+
+def test_every_multi_process_command_of_every_notebook_is_built_by_launch():
+    """No cell spells a launcher itself: each gets its command (and device) from helpers.launch."""
+    spelled = [f"{notebook.relative_to(ROOT)} cell {index}" for notebook, index, code in code_cells()
+               if STARTS_PROCESSES.search(code)]
+    assert spelled == []
+    launching = {notebook.relative_to(ROOT).as_posix() for notebook, _, code in code_cells()
+                 if re.search(r"launch\.(run|shell|torchrun)\(", code)}
+    assert {"notebooks/06_ddp_torchrun.ipynb", "notebooks/08_fsdp2.ipynb", "notebooks/solutions/06_solutions.ipynb",
+            "notebooks/solutions/08_solutions.ipynb"} <= launching
+
+
+def test_every_notebook_that_launches_says_where():
+    """Its stored outputs show the plan (as printed on a machine without CUDA, where they were made)."""
+    planning = {notebook for notebook, _, code in code_cells() if "plan_launch" in code}
+    assert planning
+    for notebook in planning:
+        outputs = "".join("".join(output.get("text", "")) for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+                          for output in cell.get("outputs", []))
+        assert str(plan_launch(2, gpus=0)) in outputs, notebook.name
+
+
+def test_no_notebook_captures_a_shell_commands_output():
+    """``x = !command`` never raises: a failed command would leave only what a later filter lets through."""
+    captured = [f"{notebook.relative_to(ROOT)} cell {index}" for notebook, index, code in code_cells()
+                if "getoutput" in code]
+    assert captured == []

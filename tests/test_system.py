@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError
 
 import pynvml
+import pytest
 import torch
 
 from helpers.system import device_summary, japanese_fonts, library_versions, nvml_status, shows_japanese
@@ -45,10 +46,26 @@ def test_nvml_with_a_driver_reports_it(monkeypatch):
     assert calls == ["init", "shutdown"]
 
 
-def test_device_summary_matches_torch():
+def test_device_summary_describes_the_machine_it_is_given(monkeypatch):
+    """A made-up machine (2 GPUs, 16 cores, 4 threads, NVML answering), and the summary written out by hand."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"Fake GPU {index}")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    for name, value in (("nvmlInit", None), ("nvmlShutdown", None), ("nvmlSystemGetDriverVersion", "580.65"),
+                        ("nvmlDeviceGetCount", 2)):
+        monkeypatch.setattr(pynvml, name, lambda value=value: value)
+    assert device_summary() == {"cpu_cores": 16, "torch_threads": 4, "cuda_available": True,
+                                "cuda_devices": ["Fake GPU 0", "Fake GPU 1"], "nvml": "available (driver 580.65, 2 GPUs)"}
+
+
+def test_this_torch_build_sees_no_gpu_where_it_has_no_cuda():
+    """The other side: the CPU wheel (no CUDA compiled in) lists no device, whatever the machine has."""
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
     summary = device_summary()
-    assert summary["cuda_available"] == torch.cuda.is_available()
-    assert len(summary["cuda_devices"]) == torch.cuda.device_count()
+    assert (summary["cuda_available"], summary["cuda_devices"]) == (False, [])
 
 
 def test_a_latin_font_cannot_show_japanese(tmp_path):
@@ -62,10 +79,38 @@ def test_a_latin_font_cannot_show_japanese(tmp_path):
     assert shows_japanese(str(tmp_path / "broken.ttf")) is False
 
 
-def test_japanese_fonts_are_the_ones_with_the_glyphs(monkeypatch):
+def font_with(tmp_path, name: str, characters: str) -> str:
+    """A TrueType file named ``name`` whose character map holds exactly ``characters`` (and the Latin 'A')."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    glyphs = [".notdef", "A", *(f"uni{ord(char):04X}" for char in characters)]
+    builder = FontBuilder(1000, isTTF=True)
+    builder.setupGlyphOrder(glyphs)
+    builder.setupCharacterMap({ord("A"): "A"} | {ord(char): f"uni{ord(char):04X}" for char in characters})
+    pen = TTGlyphPen(None)
+    pen.moveTo((0, 0)), pen.lineTo((0, 500)), pen.lineTo((500, 0)), pen.closePath()
+    builder.setupGlyf({glyph: pen.glyph() for glyph in glyphs})
+    builder.setupHorizontalMetrics({glyph: (500, 0) for glyph in glyphs})
+    builder.setupHorizontalHeader(ascent=800, descent=-200)
+    builder.setupNameTable({"familyName": name, "styleName": "Regular"})
+    builder.setupOS2(), builder.setupPost()
+    path = tmp_path / f"{name}.ttf"
+    builder.save(str(path))
+    return str(path)
+
+
+def test_japanese_fonts_are_the_ones_with_all_three_glyphs(tmp_path, monkeypatch):
+    """Fonts made here, so the answer is known: 日本語 all present, two of three, none, and a broken file."""
     from matplotlib import font_manager
 
-    found = japanese_fonts()
-    assert all(shows_japanese(path) for path in found.values())
+    full = font_with(tmp_path, "HasAll", "日本語")
+    fonts = [full, font_with(tmp_path, "HasTwo", "日本"), font_with(tmp_path, "LatinOnly", ""), str(tmp_path / "x.ttf")]
+    (tmp_path / "x.ttf").write_bytes(b"not a font")
+    monkeypatch.setattr(font_manager, "findSystemFonts", lambda: fonts)
+    registered = []  # what it registers with matplotlib, kept out of this session's font list
+    monkeypatch.setattr(font_manager.fontManager, "addfont", registered.append)
+    assert japanese_fonts() == {"HasAll": full}
+    assert registered == [full]
     monkeypatch.setattr(font_manager, "findSystemFonts", lambda: [])
     assert japanese_fonts() == {}

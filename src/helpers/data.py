@@ -39,7 +39,24 @@ class Example:
 
 
 class DataFileError(ValueError):
-    """A labelled text file that cannot be loaded; the message names the file and the line."""
+    """A labelled text file that cannot be loaded; the message names the file and the line.
+
+    Where the fix is the encoding, the message names it as Python's keyword (``encoding='cp932'``) and
+    ``command_line`` as the option of ``python -m helpers.finetune`` (``--encoding cp932``).
+    """
+
+    def __init__(self, message: str, command_line: str | None = None):
+        super().__init__(message)
+        self.command_line = command_line or message
+
+
+def _encoding_error(message: str, value: str | None = None) -> DataFileError:
+    """A DataFileError from ``message``, whose ``{option}`` is the encoding setting and ``{given}`` its ``value``,
+    said in Python's words (``encoding``, ``encoding='cp932'``) and the command line's (``--encoding cp932``)."""
+    def say(option: str, given: str) -> str:
+        return message.replace("{option}", option).replace("{given}", given)
+
+    return DataFileError(say("encoding", f"encoding={value!r}"), say("--encoding", f"--encoding {value}"))
 
 
 @dataclass(frozen=True)
@@ -250,8 +267,8 @@ def _decode(path: Path, encoding: str | None) -> str:
     if bom is not None:
         _, codec, name, accepted = bom
         if encoding is not None and _normalized(encoding) not in accepted:
-            raise DataFileError(f"{path}: starts with a {name} byte-order mark, but encoding={encoding!r} was given; "
-                                f"leave encoding out and the mark decides")
+            raise _encoding_error(f"{path}: starts with a {name} byte-order mark, but {{given}} was given; "
+                                  f"leave {{option}} out and the mark decides", encoding)
         try:
             text = raw.decode(codec)
         except UnicodeDecodeError as error:
@@ -274,11 +291,11 @@ def _decode(path: Path, encoding: str | None) -> str:
             where = f"{path}, line {_line_at(raw, error.start, codec)}"
             found = f"not valid {encoding or 'utf-8'} (byte 0x{raw[error.start]:02x} at offset {error.start})"
             if codec != "utf-8":
-                hint = " The file is valid UTF-8: leave encoding out." if _decodes(raw, "utf-8") else ""
-                raise DataFileError(f"{where}: {found}.{hint}") from None
+                hint = " The file is valid UTF-8: leave {option} out." if _decodes(raw, "utf-8") else ""
+                raise _encoding_error(f"{where}: {found}.{hint}") from None
             if _decodes(raw, "cp932"):
-                raise DataFileError(f"{where}: {found}. Files saved by Excel in Japan are often CP932 (Shift_JIS): "
-                                    f"pass encoding='cp932' or save as UTF-8.") from None
+                raise _encoding_error(f"{where}: {found}. Files saved by Excel in Japan are often CP932 (Shift_JIS): "
+                                      f"pass {{given}} or save as UTF-8.", "cp932") from None
             raise DataFileError(f"{where}: {found}, nor valid CP932 (Shift_JIS), and it starts with no byte-order "
                                 f"mark (UTF-8 or UTF-16): save it as UTF-8.") from None
     nul = text.find("\x00")

@@ -4,14 +4,46 @@ unchanged on a laptop, on a one-GPU machine and on a GPU server, and prints what
 
 NCCL cannot put two processes on one GPU, and a process without a GPU of its own is refused before it joins
 the group (helpers.distributed.device_problem); on one GPU, two processes therefore go to the CPU.
+A run that fails raises with the lines that say why, so a notebook cell never ends blank or half-filtered.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:? ?")  # what a worker's uncaught exception lines start with
+
+
+class LaunchFailed(RuntimeError):
+    """A torchrun run that exited with an error. ``output`` is everything it printed; the message is the part
+    that says why: helpers.finetune's ``error:`` lines, or else the exception of the lowest rank that raised."""
+
+    def __init__(self, returncode: int, output: str):
+        self.returncode, self.output = returncode, output
+        super().__init__(f"exit status {returncode}: {why_it_failed(output)}")
+
+
+def why_it_failed(output: str) -> str:
+    """The lines of a failed run's output that say why (see LaunchFailed)."""
+    lines = output.splitlines()
+    said = [line for line in lines if line.startswith("error:")]
+    if said:
+        return "\n".join(said)
+    # torchrun's own report ("failed (exitcode: ...)", its traceback, the Failures table) comes after the workers'
+    end = next((i for i, line in enumerate(lines) if "failed (exitcode" in line), len(lines))
+    workers = lines[:end]
+    ranks = sorted({int(match.group(1)) for match in map(RANK_PREFIX.match, workers) if match})
+    if ranks:
+        workers = [line for line in workers if line.startswith(f"[rank{ranks[0]}]")]
+    frames = [i for i, line in enumerate(workers) if RANK_PREFIX.sub("", line).startswith("  ")]
+    exception = workers[frames[-1] + 1:] if frames else []
+    return "\n".join(exception or lines[-10:])
 
 
 @dataclass(frozen=True)
@@ -27,19 +59,36 @@ class Launch:
                  else f"the CPU (gloo; one GPU per process needs {self.processes} GPUs)")
         return f"CUDA GPUs: {self.gpus}; {self.processes} processes on {where}"
 
-    def torchrun(self, *args: str, module: str = "helpers.finetune") -> list[str]:
-        """The command: ``torchrun --standalone --nproc_per_node=N -m module --device D *args``, with this Python."""
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.processes}",
-                "-m", module, "--device", self.device, *args]
+    def torchrun(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> list[str]:
+        """The command: ``torchrun --standalone --nproc_per_node=N -m module --device D *args``, with this Python.
 
-    def shell(self, *args: str, module: str = "helpers.finetune") -> str:
-        """``torchrun`` as one line for a notebook's ``!`` (arguments quoted for the shell)."""
-        return shlex.join(self.torchrun(*args, module=module))
+        ``script`` runs a file instead, without ``--device``: a script that picks its device itself by this same
+        rule (examples/ddp_minimal.py: one GPU per process, else the CPU; tests/test_launch.py checks the rule).
+        """
+        target = [str(script)] if script is not None else ["-m", module, "--device", self.device]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.processes}",
+                *target, *args]
+
+    def shell(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> str:
+        """``torchrun`` as one line for a notebook's ``!`` (arguments quoted for this system's shell)."""
+        command = self.torchrun(*args, module=module, script=script)
+        return subprocess.list2cmdline(command) if os.name == "nt" else shlex.join(command)
 
     @property
     def env(self) -> dict[str, str]:
         """The environment to run it in: one thread per process, so N processes share the cores without contention."""
         return os.environ | {"OMP_NUM_THREADS": "1"}
+
+    def run(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> str:
+        """Start the processes, wait for them, and return what they printed (stdout and stderr, in order).
+
+        A run that fails raises LaunchFailed with the lines that say why.
+        """
+        done = subprocess.run(self.torchrun(*args, module=module, script=script), env=self.env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise LaunchFailed(done.returncode, done.stdout)
+        return done.stdout
 
 
 def plan_launch(processes: int = 2, gpus: int | None = None) -> Launch:

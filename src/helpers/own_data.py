@@ -36,7 +36,7 @@ def load(args: argparse.Namespace) -> tuple[DataFiles | None, str | None]:
     try:
         data = load_data_files(args.train_file, args.validation_file, args.test_file, encoding=args.encoding)
     except DataFileError as error:
-        return None, str(error)
+        return None, error.command_line  # --encoding cp932, not Python's encoding='cp932
     if getattr(args, "check_equivalence", False) and len(data.labels) != 2:
         return None, (f"--check-equivalence compares a two-label network; {args.train_file} has "
                       f"{len(data.labels)} labels")

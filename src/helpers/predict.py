@@ -15,25 +15,27 @@ from helpers.train import input_device, to_device
 
 
 @torch.no_grad()
+def predict_batch(model: nn.Module, tokenizer, texts: list[str],
+                  labels: tuple[str, ...] = LABELS) -> list[tuple[str, float]]:
+    """One batch: tokenized together, padded to its longest text, computed where ``model`` is."""
+    batch = tokenizer(list(texts), padding="longest", truncation=True, max_length=128, return_tensors="pt")
+    batch = to_device(dict(batch), input_device(model))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    probabilities, ids = logits.softmax(dim=-1).max(dim=-1)
+    return [(labels[i], p) for i, p in zip(ids.tolist(), probabilities.tolist())]
+
+
 def predict(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 32,
             labels: tuple[str, ...] = LABELS) -> list[tuple[str, float]]:
-    """The most probable label of each text and its probability, computed in batches where ``model`` is.
+    """The most probable label of each text and its probability, ``batch_size`` texts at a time.
 
     Eval mode turns dropout off, so the same sentence always gets the same answer.
     """
     if isinstance(texts, str):
         raise TypeError(f"predict: texts must be a list of sentences, got one str; write [{texts!r}]")
     model.eval()
-    device = input_device(model)
-    predictions = []
-    for start in range(0, len(texts), batch_size):
-        batch = tokenizer(list(texts[start:start + batch_size]), padding="longest", truncation=True,
-                          max_length=128, return_tensors="pt")
-        batch = to_device(dict(batch), device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        probabilities, ids = logits.softmax(dim=-1).max(dim=-1)
-        predictions += [(labels[i], p) for i, p in zip(ids.tolist(), probabilities.tolist())]
-    return predictions
+    return [prediction for start in range(0, len(texts), batch_size)
+            for prediction in predict_batch(model, tokenizer, texts[start:start + batch_size], labels)]
 
 
 def load_classifier(path: str | Path, model: str | None = None) -> tuple[Net, tuple[str, ...]]:
