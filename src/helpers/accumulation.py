@@ -18,6 +18,7 @@ from transformers import set_seed
 
 from helpers.equivalence import EQUIVALENCE_TOLERANCE, loss_and_backward, whole
 from helpers.fsdp import prepare, wrap
+from helpers.lever_memory import peak_by_category, tracking
 from helpers.net import Net
 from helpers.train import accumulate, to_device
 from helpers.wrapping import is_sharded, unwrap
@@ -124,29 +125,36 @@ def compare_accumulation(model: str | None, examples: list, collate, device: tor
     mine = examples[me * share:(me + 1) * share]
     batches = [to_device(collate(mine[start:start + micro]), device) for start in range(0, share, micro)]
     result = {"strategy": strategy, "world_size": ranks, "micro_batches": accumulation, "micro_batch_size": micro,
-              "global_batch_size": len(examples)}
+              "global_batch_size": len(examples), "parameters": sum(p.numel() for p in one_process.parameters())}
     for loop, run in LOOPS.items():
         parallel = wrap(prepare(copies[loop], strategy), strategy, device)
         counter = CollectiveCounter(parallel)
-        with counter:
+        run(parallel, batches)  # after a first step, DDP has ordered its buckets as backward fills them
+        parallel.zero_grad(set_to_none=True)
+        with counter, tracking(parallel) as tracker:
             run(parallel, batches)
         diff = max((whole(p.grad) - reference[name].grad).abs().max().item()
                    for name, p in unwrap(parallel).named_parameters())
         largest = torch.tensor(diff, dtype=torch.float64, device=device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest difference on any rank
-        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary()}
+        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary(),
+                        "peak": peak_by_category(tracker)}
     return result
 
 
 def accumulation_lines(result: dict) -> list[str]:
-    """``compare_accumulation``'s result in words, at a precision that does not depend on the CPU."""
+    """``compare_accumulation``'s result in words, at a precision that does not depend on the CPU: per loop, whether
+    the gradients are those of one batch, each kind of collective (calls, MiB, and how many times the gradients'
+    size that is), and the gradients held at the step's peak on rank 0."""
     name, tolerance = result["strategy"].upper(), EQUIVALENCE_TOLERANCE
-    lines = [f"{name}, {result['world_size']} process(es) x {result['micro_batches']} micro-batches of "
-             f"{result['micro_batch_size']} = global batch {result['global_batch_size']}, one optimizer step:"]
+    gradient_bytes = result["parameters"] * 4
+    lines = [f"{name}: {result['world_size']} process(es) x {result['micro_batches']} micro-batches of "
+             f"{result['micro_batch_size']} = global batch {result['global_batch_size']}, one optimizer step"]
     for loop in LOOPS:
         row = result[loop]
-        traffic = ", ".join(f"{kind} {entry['calls']} calls ({entry['bytes'] / 2**20:.2f} MiB)"
-                            for kind, entry in row["collectives"].items()) or "no collectives"
-        lines.append(f"  {loop:<17} gradients max |{name} - one process| <= {tolerance:g}: "
-                     f"{row['max_abs_grad_diff'] <= tolerance}; {traffic}")
+        traffic = "; ".join(f"{kind} {entry['calls']} calls, {entry['bytes'] / 2**20:.2f} MiB" + (
+            "" if kind == "all-gather" else f" = {entry['bytes'] / gradient_bytes:.1f} x the gradients")
+            for kind, entry in row["collectives"].items()) or "no collectives"
+        lines.append(f"  {loop:<17} gradients = one batch (<= {tolerance:g}): {row['max_abs_grad_diff'] <= tolerance}"
+                     f" | {traffic} | gradients held at the peak: {row['peak']['gradients'] / 2**20:.2f} MiB")
     return lines

@@ -40,7 +40,7 @@ def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches
 
 
 @contextmanager
-def tracking(model: torch.nn.Module, optimizer):
+def tracking(model: torch.nn.Module, optimizer=None):
     """Yield a MemTracker (FSDPMemTracker for a sharded model) that is active in the block and starts each forward
     of ``model`` afresh: the tracker refuses a second forward of the same modules otherwise, and accumulation runs
     several. Garbage collection waits until the end, so that it frees nothing at an arbitrary point of the step."""
@@ -52,10 +52,9 @@ def tracking(model: torch.nn.Module, optimizer):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-    root = unwrap(model)
-    # a global hook runs before the tracker's own hooks on the module
-    handle = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is root else None)
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    # a global hook runs before the tracker's own hooks on the module; the outermost one (a wrapper) starts the forward
+    handle = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is model else None)
     gc.collect()
     gc.disable()
     try:
