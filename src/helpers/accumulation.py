@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from transformers import set_seed
 
 from helpers.equivalence import EQUIVALENCE_TOLERANCE, loss_and_backward, whole
 from helpers.fsdp import prepare, wrap
-from helpers.lever_memory import peak_by_category, tracking
+from helpers.lever_memory import tracking
 from helpers.net import Net
 from helpers.train import accumulate, to_device
 from helpers.wrapping import is_sharded, unwrap
@@ -107,7 +108,8 @@ def compare_accumulation(model: str | None, examples: list, collate, device: tor
                          accumulation: int = 4, seed: int = 0) -> dict:
     """One optimizer step's gradients from ``accumulation`` micro-batches per rank, added up by each loop of
     LOOPS under ``strategy``, against one process on all ``examples`` in one batch (dropout off, as in
-    helpers.equivalence); with the collectives each loop made. Every rank of the group must call it.
+    helpers.equivalence); with the collectives each loop made and, for FSDP2, the bytes by category this rank holds
+    as the second micro-batch begins (gradients: whole while the sync is paused). Every rank must call it.
 
     Each rank takes len(examples) // world_size of them (a remainder is left out), in equal micro-batches.
     """
@@ -128,33 +130,41 @@ def compare_accumulation(model: str | None, examples: list, collate, device: tor
               "global_batch_size": len(examples), "parameters": sum(p.numel() for p in one_process.parameters())}
     for loop, run in LOOPS.items():
         parallel = wrap(prepare(copies[loop], strategy), strategy, device)
-        counter = CollectiveCounter(parallel)
-        run(parallel, batches)  # after a first step, DDP has ordered its buckets as backward fills them
-        parallel.zero_grad(set_to_none=True)
-        with counter, tracking(parallel) as tracker:
+        counter, sharded = CollectiveCounter(parallel), is_sharded(parallel)
+        if not sharded:  # after a first step, DDP has ordered its buckets as backward fills them
+            run(parallel, batches)
+            parallel.zero_grad(set_to_none=True)
+        held = tracking(parallel) if sharded else nullcontext((None, []))  # FSDP2: what a micro-batch leaves held
+        with counter, held as (_, starts):
             run(parallel, batches)
         diff = max((whole(p.grad) - reference[name].grad).abs().max().item()
                    for name, p in unwrap(parallel).named_parameters())
         largest = torch.tensor(diff, dtype=torch.float64, device=device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest difference on any rank
-        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary(),
-                        "peak": peak_by_category(tracker)}
+        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary()}
+        if sharded:  # what FSDP2 holds from one micro-batch to the next: whole gradients while the sync is paused
+            result[loop]["between_micro_batches"] = starts[1]
     return result
+
+
+def describe_collectives(collectives: dict, gradient_bytes: int) -> str:
+    """A ``CollectiveCounter.summary()`` in words: each kind's calls and MiB, and for those that carry gradients,
+    how many times the gradients' bytes that is (the rounds over all of them)."""
+    return "; ".join(f"{kind} {entry['calls']} calls, {entry['bytes'] / 2**20:.2f} MiB" + (
+        "" if kind == "all-gather" else f" = {entry['bytes'] / gradient_bytes:.1f} x the gradients")
+        for kind, entry in collectives.items()) or "no collectives"
 
 
 def accumulation_lines(result: dict) -> list[str]:
     """``compare_accumulation``'s result in words, at a precision that does not depend on the CPU: per loop, whether
-    the gradients are those of one batch, each kind of collective (calls, MiB, and how many times the gradients'
-    size that is), and the gradients held at the step's peak on rank 0."""
+    the gradients are those of one batch, the collectives, and (FSDP2) the gradients held between micro-batches."""
     name, tolerance = result["strategy"].upper(), EQUIVALENCE_TOLERANCE
-    gradient_bytes = result["parameters"] * 4
     lines = [f"{name}: {result['world_size']} process(es) x {result['micro_batches']} micro-batches of "
              f"{result['micro_batch_size']} = global batch {result['global_batch_size']}, one optimizer step"]
     for loop in LOOPS:
         row = result[loop]
-        traffic = "; ".join(f"{kind} {entry['calls']} calls, {entry['bytes'] / 2**20:.2f} MiB" + (
-            "" if kind == "all-gather" else f" = {entry['bytes'] / gradient_bytes:.1f} x the gradients")
-            for kind, entry in row["collectives"].items()) or "no collectives"
+        held = row.get("between_micro_batches")
         lines.append(f"  {loop:<17} gradients = one batch (<= {tolerance:g}): {row['max_abs_grad_diff'] <= tolerance}"
-                     f" | {traffic} | gradients held at the peak: {row['peak']['gradients'] / 2**20:.2f} MiB")
+                     f" | {describe_collectives(row['collectives'], 4 * result['parameters'])}"
+                     + (f" | gradients held between micro-batches: {held['gradients'] / 2**20:.2f} MiB" if held else ""))
     return lines

@@ -20,12 +20,13 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from helpers import fsdp_memory, memtrace
+from helpers.cuda_step import CudaPeak
 from helpers.levers import amp_dtype, enable_checkpointing
 from helpers.net import Net
 from helpers.train import accumulate, input_device, optimizer_step
 from helpers.wrapping import is_sharded, unwrap
 
-LEVERS = {"none": {}, "accumulation": {"accumulation": 4}, "checkpointing": {"checkpointing": True},
+LEVERS = {"none": {}, "accumulation": {"accumulation": 2}, "checkpointing": {"checkpointing": True},
           "bf16 autocast": {"amp": "bf16"}}
 """The three levers of notebook 05 as options of ``tracked_step`` and ``predicted_step``; "none" for comparison."""
 
@@ -41,9 +42,11 @@ def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches
 
 @contextmanager
 def tracking(model: torch.nn.Module, optimizer=None):
-    """Yield a MemTracker (FSDPMemTracker for a sharded model) that is active in the block and starts each forward
-    of ``model`` afresh: the tracker refuses a second forward of the same modules otherwise, and accumulation runs
-    several. Garbage collection waits until the end, so that it frees nothing at an arbitrary point of the step."""
+    """Yield ``(tracker, starts)``: a MemTracker (FSDPMemTracker for a sharded model), active in the block, and a list
+    that gets the bytes by category held as each forward of ``model`` begins (between micro-batches: what one
+    micro-batch leaves for the next). Each forward starts the tracker's module statistics afresh, which it needs
+    for a second forward of the same modules. Garbage collection waits until the end, so that it frees nothing at
+    an arbitrary point of the step."""
     if is_sharded(model):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -53,21 +56,28 @@ def tracking(model: torch.nn.Module, optimizer=None):
 
         tracker = MemTracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    # a global hook runs before the tracker's own hooks on the module; the outermost one (a wrapper) starts the forward
-    handle = register_module_forward_pre_hook(lambda module, _: tracker.reset_mod_stats() if module is model else None)
+    starts = []
+
+    def forward_begins(module, _):  # a global hook runs before the tracker's own hooks on the module
+        if module is model:  # the outermost module (a wrapper, if any) starts the forward
+            starts.append(by_category(tracker, "current"))
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(forward_begins)
     gc.collect()
     gc.disable()
     try:
         with tracker:
-            yield tracker
+            yield tracker, starts
     finally:
         gc.enable()
         handle.remove()
 
 
-def peak_by_category(tracker) -> dict[str, int]:
-    """The tracker's peak in the words of notebook 05 (08 for a sharded model: "gathered" weights too), and 'total'."""
-    snapshot = tracker.get_tracker_snapshot("peak")
+def by_category(tracker, moment: str = "peak") -> dict[str, int]:
+    """The tracker's bytes at ``moment`` ("peak" or "current") in the words of notebook 05 (08 for a sharded model:
+    "gathered" weights too), and 'total'."""
+    snapshot = tracker.get_tracker_snapshot(moment)
     if type(tracker).__name__ != "FSDPMemTracker":
         return memtrace.by_category(snapshot)
     (device,) = snapshot.values()
@@ -89,9 +99,9 @@ def tracked_step(model, optimizer, batches: list, amp: str | None = None) -> dic
     model.train()
     warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
     step(model, optimizer, [warm_up], amp)  # creates Adam's state
-    with tracking(model, optimizer) as tracker:
+    with tracking(model, optimizer) as (tracker, _):
         step(model, optimizer, batches, amp)
-    return peak_by_category(tracker)
+    return by_category(tracker)
 
 
 def seconds_per_step(model, optimizer, batches: list, amp: str | None = None, repeats: int = 3) -> float:
@@ -144,3 +154,29 @@ def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVER
                       "tracked": tracked_step(net, optimizer, batches, amp),
                       "seconds": seconds_per_step(net, optimizer, batches, amp)}
     return rows
+
+
+def cuda_step_peak(config, batch_size: int, seq_len: int, *, accumulation: int = 1, checkpointing: bool = False,
+                   amp: str | None = None, device: int = 0) -> CudaPeak:
+    """``torch.cuda.max_memory_allocated`` over one real step of a BERT-shaped ``Net`` (random weights, with its
+    pooler, as notebook 05's predictions have it) on GPU ``device``, with the lever applied as helpers.finetune
+    applies it, after a warm-up step that creates Adam's state. What notebook 05's ``per_device`` predicts."""
+    torch.manual_seed(0)
+    net = memtrace.build_model(config, device="cpu")
+    if checkpointing:
+        enable_checkpointing(net)
+    net = net.to(f"cuda:{device}").train()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)
+    batches = [{key: value.to(f"cuda:{device}") for key, value in batch.items()}
+               for batch in random_batches(config.vocab_size, batch_size, seq_len, accumulation)]
+    warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
+    step(net, optimizer, [warm_up], amp)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step(net, optimizer, batches, amp)
+    torch.cuda.synchronize(device)
+    peak = CudaPeak(before, torch.cuda.max_memory_allocated(device))
+    del net, optimizer, batches
+    torch.cuda.empty_cache()
+    return peak
