@@ -166,5 +166,6 @@ def accumulation_lines(result: dict) -> list[str]:
         held = row.get("between_micro_batches")
         lines.append(f"  {loop:<17} gradients = one batch (<= {tolerance:g}): {row['max_abs_grad_diff'] <= tolerance}"
                      f" | {describe_collectives(row['collectives'], 4 * result['parameters'])}"
-                     + (f" | gradients held between micro-batches: {held['gradients'] / 2**20:.2f} MiB" if held else ""))
+                     + (f" | gradients held between micro-batches: {held['gradients'] / 2**20:.2f} MiB"
+                        if held else ""))
     return lines

@@ -72,7 +72,8 @@ def compare_with_one_process(model: str | None, examples: list, collate, device:
     grad_diff, weight_diff = largest.tolist()
     dist.all_reduce(rank_loss)
     result = {"strategy": strategy, "world_size": ranks, "per_rank_batch_size": share,
-              "micro_batches": len(batches), "micro_batch_size": micro, "global_batch_size": len(examples), "loss_one_process": whole_loss.item(),
+              "micro_batches": len(batches), "micro_batch_size": micro, "global_batch_size": len(examples),
+              "loss_one_process": whole_loss.item(),
               "loss_mean_over_ranks": rank_loss.item() / ranks, "gradient_tensors": len(named),
               "max_abs_grad_diff": grad_diff, "sgd_lr": lr, "max_abs_weight_diff_after_sgd": weight_diff,
               "parameters": sum(p.numel() for p in named.values()),

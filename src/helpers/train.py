@@ -80,7 +80,8 @@ def forward_backward(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn, 
     """The loss of ``model`` on ``batch``; the gradients of ``scale`` x loss are added to the parameters' ``.grad``.
 
     ``amp`` (torch.bfloat16) runs the forward and the loss under autocast: matrix products in bf16, while the
-    weights, their gradients and the optimizer stay fp32, and autocast keeps softmax, layer norm and the loss fp32.
+    weights, their gradients and the optimizer stay fp32; autocast computes the loss in fp32 (on CUDA also
+    softmax and layer norm; the CPU's autocast runs those in bf16).
     """
     with torch.autocast(batch["labels"].device.type, dtype=amp, enabled=amp is not None):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
