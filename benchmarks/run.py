@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import common
+import grad_accumulation
 import memory_prediction
 import notebooks
 import padding
@@ -44,7 +45,8 @@ def ratio_row(label: str, before: str, ratios: list[float], target: float, digit
 
 
 def markdown(machine: str, end_load: str, args, pad: dict | None, hf: dict | None, nbs: dict | None,
-             ddp: str | None, mem: dict | None = None) -> str:
+             ddp: str | None, mem: dict | None = None,
+             accum: dict | None = None) -> str:
     lines = [f"Measured on {machine}, at end {end_load}; {datetime.date.today().isoformat()}; medians of "
              f"{args.repeats} repetitions" + ("" if "notebooks" in args.skip else f" (notebooks: {args.notebook_repeats})") +
              f", each ratio with its range over the "
@@ -69,6 +71,16 @@ def markdown(machine: str, end_load: str, args, pad: dict | None, hf: dict | Non
         lines.append(f"| `python -m helpers.memory`: BERT-base, L=512, DDP on 2 GPUs, bf16, 16 GiB (per-GPU peaks and "
                      f"the largest batch) | {common.median(seconds):.1f} s (worst {max(seconds):.1f} s) | "
                      f"≤ {memory_prediction.TARGET_S:.0f} s | {verdict(max(seconds) <= memory_prediction.TARGET_S)} |")
+    if accum:
+        seconds, traffic = accum["seconds"], accum["traffic"]
+        lines.append(f"| 2-process DDP, 4 micro-batches per step: s per optimizer step, naive loop → `no_sync` | "
+                     f"{common.median(seconds['naive']):.3f} s → {common.median(seconds['no_sync']):.3f} s: "
+                     f"**{common.median(grad_accumulation.ratios(accum)):.2f}×** "
+                     f"({common.spread(grad_accumulation.ratios(accum))}) | side by side | |")
+        lines.append(f"| all-reduce per optimizer step, naive loop vs `no_sync` | "
+                     f"{traffic['naive']['bytes'] / 2**20:.2f} MiB vs {traffic['no_sync']['bytes'] / 2**20:.2f} MiB "
+                     f"({traffic['naive']['bytes'] / accum['gradient_bytes']:.1f}× vs "
+                     f"{traffic['no_sync']['bytes'] / accum['gradient_bytes']:.1f}× the gradients) | side by side | |")
     if nbs:
         slowest = max(nbs["seconds"], key=nbs["seconds"].get)
         lines.append(f"| slowest notebook under nbval | `{Path(slowest).stem}` {nbs['seconds'][slowest]:.1f} s "
@@ -107,7 +119,8 @@ def main() -> None:
                         "(default: torch's choice, one per core)")
     parser.add_argument("--notebook-repeats", type=int, default=1,
                         help="runs of every notebook under nbval (default 1)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "memory", "notebooks"],
+    parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "memory", "accumulation",
+                                                              "notebooks"],
                         help="benchmarks to leave out of this run")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
     args = parser.parse_args()
@@ -115,7 +128,7 @@ def main() -> None:
     common.set_threads(args.threads)
     machine = common.machine()
     print(f"machine: {machine}")
-    pad = hf = nbs = ddp = mem = None
+    pad = hf = nbs = ddp = mem = accum = None
     if "padding" not in args.skip:
         pad = padding.run(args.repeats, args.batches_512, args.examples)
         print("\n".join(["", "== padding: one training epoch"] + padding.report(pad)), flush=True)
@@ -128,13 +141,16 @@ def main() -> None:
     if "memory" not in args.skip:
         mem = memory_prediction.run(args.repeats)
         print("\n".join(["", "== the memory command"] + memory_prediction.report(mem)), flush=True)
+    if "accumulation" not in args.skip:
+        accum = grad_accumulation.run(args.repeats)
+        print("\n".join(["", "== gradient accumulation under DDP"] + grad_accumulation.report(accum)), flush=True)
     if "notebooks" not in args.skip:
         nbs = notebooks.run(args.notebook_repeats)
         print("\n".join(["", "== notebooks under nbval"] + notebooks.report(nbs)), flush=True)
     end_load = common.load_average()
     print(f"\nload average at end {end_load}")
 
-    table = markdown(machine, end_load, args, pad, hf, nbs, ddp, mem)
+    table = markdown(machine, end_load, args, pad, hf, nbs, ddp, mem, accum)
     (HERE / "results.md").write_text("# Benchmark results (`make bench`)\n\n" + table, encoding="utf-8")
     if not args.no_readme:
         update_readme(table)

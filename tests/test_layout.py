@@ -32,7 +32,7 @@ def top_level_modules() -> dict[str, Path]:
 
 def notebook_sources() -> list[str]:
     """The code of every notebook and solution as Python (IPython's ``!`` and ``%`` lines turned into calls), and
-    ``import M`` for each module a shell line runs with ``-m M``."""
+    ``import M`` for each module a shell line runs with ``-m M`` or through ``helpers.launch`` (``module="M"``)."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     sources = []
@@ -41,7 +41,7 @@ def notebook_sources() -> list[str]:
             if cell["cell_type"] == "code":
                 source = "".join(cell["source"])
                 sources.append(TransformerManager().transform_cell(source))
-                sources += [f"import {module}" for module in re.findall(r"-m (helpers[\w.]*)", source)]
+                sources += [f"import {module}" for module in re.findall(r"(?:-m |module=[\"'])(helpers[\w.]*)", source)]
     return sources
 
 

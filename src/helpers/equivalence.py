@@ -24,7 +24,7 @@ from transformers import set_seed
 from helpers.checkpoint import weights_digest
 from helpers.fsdp import prepare, wrap
 from helpers.net import Net
-from helpers.train import input_device, to_device
+from helpers.train import accumulate, input_device, to_device
 from helpers.wrapping import unwrap
 
 EQUIVALENCE_TOLERANCE = 1e-6  # max |parallel - one process| over gradients and weights: float32 rounding
@@ -43,11 +43,12 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def compare_with_one_process(model: str | None, examples: list, collate, device: torch.device,
-                             strategy: str = "ddp", seed: int = 0, lr: float = 0.1) -> dict:
+                             strategy: str = "ddp", seed: int = 0, lr: float = 0.1, accumulation: int = 1) -> dict:
     """One ``strategy`` step ("ddp" or "fsdp") on this rank's share of ``examples`` against one process on all of
     them: the gradients, then the weights after one SGD step of ``lr``. Every rank of the group must call it.
 
-    Each rank takes len(examples) // world_size of them; a remainder is left out.
+    Each rank takes len(examples) // world_size of them (a remainder is left out) in ``accumulation``
+    micro-batches, whose gradients it adds up as training does (helpers.train.accumulate).
     """
     ranks, me = dist.get_world_size(), dist.get_rank()
     share = len(examples) // ranks
@@ -55,7 +56,9 @@ def compare_with_one_process(model: str | None, examples: list, collate, device:
     set_seed(seed)
     one_process = Net(model, pooler=False).to(device).eval()  # eval(): no dropout
     parallel = wrap(prepare(copy.deepcopy(one_process), strategy), strategy, device)
-    rank_loss = loss_and_backward(parallel, collate(examples[me * share:(me + 1) * share]))
+    mine, micro = examples[me * share:(me + 1) * share], -(-share // accumulation)
+    batches = [to_device(collate(mine[start:start + micro]), device) for start in range(0, share, micro)]
+    rank_loss = torch.tensor(accumulate(parallel, batches), dtype=torch.float64, device=device)
     whole_loss = loss_and_backward(one_process, collate(examples))
 
     named = dict(one_process.named_parameters())
@@ -69,7 +72,8 @@ def compare_with_one_process(model: str | None, examples: list, collate, device:
     grad_diff, weight_diff = largest.tolist()
     dist.all_reduce(rank_loss)
     result = {"strategy": strategy, "world_size": ranks, "per_rank_batch_size": share,
-              "global_batch_size": len(examples), "loss_one_process": whole_loss.item(),
+              "micro_batches": len(batches), "micro_batch_size": micro, "global_batch_size": len(examples),
+              "loss_one_process": whole_loss.item(),
               "loss_mean_over_ranks": rank_loss.item() / ranks, "gradient_tensors": len(named),
               "max_abs_grad_diff": grad_diff, "sgd_lr": lr, "max_abs_weight_diff_after_sgd": weight_diff,
               "parameters": sum(p.numel() for p in named.values()),
@@ -88,8 +92,10 @@ def print_comparison(result: dict) -> None:
         return
     name, tolerance = result["strategy"].upper(), EQUIVALENCE_TOLERANCE
     lines = [f"one process, batch of {result['global_batch_size']}:  loss {result['loss_one_process']:.4f}",
-             f"{result['world_size']} ranks x {result['per_rank_batch_size']}, mean:    loss "
-             f"{result['loss_mean_over_ranks']:.4f}",
+             f"{result['world_size']} ranks x {result['per_rank_batch_size']}"
+             + (f" ({result['micro_batches']} micro-batches of {result['micro_batch_size']})"
+                if result.get("micro_batches", 1) > 1 else "")
+             + f", mean:    loss {result['loss_mean_over_ranks']:.4f}",
              f"parameters: {result['parameters']:,} in all, {result['parameters_on_this_rank']:,} on rank 0",
              f"gradients of {result['gradient_tensors']} tensors: max |{name} - one process| <= {tolerance:g}: "
              f"{result['max_abs_grad_diff'] <= tolerance}",

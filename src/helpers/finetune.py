@@ -7,6 +7,7 @@
     python -m helpers.finetune --checkpoint-dir ckpt --save-every 10 --resume   # continue after a kill
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
     python -m helpers.finetune --train-file F --validation-file G --test-file H --output-dir out  # your own data
+    python -m helpers.finetune --grad-accum-steps 4 --amp bf16 --gradient-checkpointing  # the memory levers (09)
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
 helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
-from helpers import distributed, fsdp, own_data
+from helpers import distributed, fsdp, levers, own_data
 from helpers.checkpoint import CheckpointError, Checkpoints, save_model, weights_digest
 from helpers.data import PadToLongest
 from helpers.equivalence import compare_with_one_process, print_comparison
@@ -45,6 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=32,
                         help="examples per optimizer step over all processes (default 32, as notebook 02); each "
                              "process takes global-batch-size / number-of-processes of them (the per-rank batch)")
+    parser.add_argument("--grad-accum-steps", type=int, default=1, metavar="N",
+                        help="micro-batches per optimizer step (default 1): each process trains on global-batch-size "
+                             "/ (processes x N) examples at a time and adds up the gradients of N of them before each "
+                             "step; DDP and FSDP communicate once per step (notebook 09)")
+    parser.add_argument("--amp", choices=sorted(levers.AMP_DTYPES),
+                        help="bf16: forward and loss under autocast, weights, gradients and Adam in fp32 (default: "
+                             "fp32 throughout); with --strategy fsdp also FSDP2's MixedPrecisionPolicy (notebook 09)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each encoder layer's forward in backward instead of keeping its activations: "
+                             "less memory, more compute (notebook 09)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training data (default 2, as 02)")
     parser.add_argument("--body-lr", type=float,
                         help="peak learning rate of BERT (default: what helpers.optim.learning_rates_for picks for "
@@ -93,6 +105,12 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
     if args.global_batch_size % world_size:
         return (f"--global-batch-size {args.global_batch_size} does not split evenly over {world_size} processes; "
                 f"use a multiple of {world_size}")
+    if args.grad_accum_steps < 1:
+        return f"--grad-accum-steps {args.grad_accum_steps}: must be at least 1"
+    split = world_size * args.grad_accum_steps
+    if args.global_batch_size % split:
+        return (f"--global-batch-size {args.global_batch_size} does not split into equal micro-batches over "
+                f"{world_size} process(es) x {args.grad_accum_steps} accumulation steps; use a multiple of {split}")
     if args.train_examples is not None and args.train_examples < 1:
         return f"--train-examples {args.train_examples}: must be at least 1"
     if args.val_examples is not None and args.val_examples < 1:
@@ -100,6 +118,11 @@ def find_problem(args: argparse.Namespace, world_size: int, rank: int, train_exa
     if train_examples < world_size:
         return (f"{world_size} processes but only {train_examples} training example(s): every process needs at "
                 f"least one (start fewer processes or raise --train-examples)")
+    micro_batches = math.ceil(math.ceil(train_examples / world_size) / (args.global_batch_size // split))
+    if micro_batches < args.grad_accum_steps:
+        return (f"--grad-accum-steps {args.grad_accum_steps}: an epoch has only {micro_batches} micro-batch(es) of "
+                f"{args.global_batch_size // split} per process ({train_examples} training examples over {world_size} "
+                f"process(es)); use at most {micro_batches}, or more training examples")
     if args.epochs < 1:
         return f"--epochs {args.epochs}: must be at least 1"
     try:
@@ -161,22 +184,49 @@ def last_json(text: str) -> dict:
                      f"fail before its summary? Its last line: {(text.strip().splitlines() or [''])[-1]!r}")
 
 
+def micro_batch_size(args: argparse.Namespace, world_size: int) -> int:
+    """Examples per forward on each process: the global batch over processes and accumulation steps."""
+    return args.global_batch_size // (world_size * args.grad_accum_steps)
+
+
+def describe(args: argparse.Namespace, world_size: int, device: torch.device) -> str:
+    """The run's first line: processes, device, how the global batch splits, and the levers in use."""
+    per_rank, steps = args.global_batch_size // world_size, args.grad_accum_steps
+    batch = f"batch {per_rank} per rank" + (f" ({steps} micro-batches of {per_rank // steps})" if steps > 1 else "")
+    return (f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; {batch} x {world_size} = "
+            f"global batch {args.global_batch_size}" + (f"; {args.amp} autocast" if args.amp else "")
+            + ("; activation checkpointing" if args.gradient_checkpointing else "")
+            + ("; deterministic algorithms only" if args.deterministic else ""))
+
+
 def make_loaders(args: argparse.Namespace, data: own_data.DataFiles, train_examples: list, tokenizer):
-    """Training batches of global-batch-size / N per process, each process its own share of a shuffle that
-    changes each epoch (DistributedSampler); validation batches of 64."""
+    """Training micro-batches of global-batch-size / (processes x accumulation steps) per process, each process its
+    own share of a shuffle that changes each epoch (DistributedSampler); validation batches of 64."""
     sampler = DistributedSampler(train_examples, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
                                  shuffle=True, seed=args.seed)
-    train_loader = DataLoader(train_examples, batch_size=args.global_batch_size // dist.get_world_size(),
+    train_loader = DataLoader(train_examples, batch_size=micro_batch_size(args, dist.get_world_size()),
                               sampler=sampler, collate_fn=PadToLongest(tokenizer))
     val_loader = DataLoader(data.validation[:args.val_examples], batch_size=64, collate_fn=PadToLongest(tokenizer))
     return train_loader, val_loader
+
+
+def settings(args: argparse.Namespace, world_size: int, micro_batches: int) -> dict:
+    """What the summary and metrics.json record about the run's shape: processes, batches, levers, and the
+    optimizer steps of all epochs (``micro_batches`` per epoch, ``--grad-accum-steps`` of them per step)."""
+    return {"world_size": world_size, "per_rank_batch_size": args.global_batch_size // world_size,
+            "global_batch_size": args.global_batch_size, "grad_accum_steps": args.grad_accum_steps,
+            "micro_batch_size": micro_batch_size(args, world_size), "amp": args.amp,
+            "gradient_checkpointing": args.gradient_checkpointing, "strategy": args.strategy,
+            "steps": args.epochs * math.ceil(micro_batches / args.grad_accum_steps)}
 
 
 def build_training(args: argparse.Namespace, labels: int, device: torch.device, total_steps: int):
     """Net, two-learning-rate Adam and warmup/linear schedule as in notebook 02, wrapped for ``--strategy``."""
     set_seed(args.seed)  # the same initial weights everywhere (DDP also copies rank 0's weights to all ranks)
     net = Net(args.model, num_labels=labels, pooler=args.keep_pooler).to(device)
-    net = fsdp.prepare(net, args.strategy)  # FSDP shards it here: before the optimizer is built
+    if args.gradient_checkpointing:
+        levers.enable_checkpointing(net)
+    net = fsdp.prepare(net, args.strategy, **levers.fsdp_mixed_precision(args.amp))  # before the optimizer is built
     rule_body_lr, rule_head_lr = learning_rates_for(net.bert.config)
     body_lr = rule_body_lr if args.body_lr is None else args.body_lr
     head_lr = rule_head_lr if args.head_lr is None else args.head_lr
@@ -217,30 +267,29 @@ def main(argv: list[str] | None = None) -> dict:
     problem = problem or find_problem(args, distributed.world_size(), distributed.rank(), len(train_examples))
     device = distributed.device_for_this_process(args.device)
     distributed.init_process_group(device)
-    problem = distributed.agree_on_problem(problem)
+    problem = distributed.agree_on_problem(problem or levers.amp_problem(args.amp, device))
     if problem:
         distributed.stop_everywhere(problem)
 
-    world_size, per_rank_batch = dist.get_world_size(), args.global_batch_size // dist.get_world_size()
-    say(f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; batch {per_rank_batch} "
-        f"per rank x {world_size} = global batch {args.global_batch_size}"
-        + ("; deterministic algorithms only" if args.deterministic else ""))
+    world_size = dist.get_world_size()
+    say(describe(args, world_size, device))
     tokenizer = load_tokenizer(args.model)
     train_loader, val_loader = make_loaders(args, data, train_examples, tokenizer)
     if args.train_file:
         say(own_data.describe(data, tokenizer))
-    result = {"world_size": world_size, "per_rank_batch_size": per_rank_batch,
-              "global_batch_size": args.global_batch_size, "steps": args.epochs * len(train_loader)}
+    result = settings(args, world_size, len(train_loader))
     if args.check_equivalence:
         result["equivalence"] = compare_with_one_process(args.model, train_examples[:args.global_batch_size],
-                                                         PadToLongest(tokenizer), device, args.strategy, args.seed)
+                                                         PadToLongest(tokenizer), device, args.strategy, args.seed,
+                                                         accumulation=args.grad_accum_steps)
         print_comparison(result["equivalence"])
     model, optimizer, scheduler = build_training(args, len(data.labels), device, result["steps"])
     checkpoints = Checkpoints(args.checkpoint_dir, args.save_every, labels=data.labels) if args.checkpoint_dir else None
     torch.manual_seed(args.seed + dist.get_rank())  # a different dropout mask on each rank
     try:  # a resumed run gets each rank's own random state back from the checkpoint
         result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
-                                resume=args.resume, timed=True)
+                                resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
+                                amp=levers.amp_dtype(args.amp))
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
         distributed.stop_everywhere(str(error))
     report(args, data, model, result, tokenizer)

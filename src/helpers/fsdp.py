@@ -45,10 +45,11 @@ def check_strategy(strategy: str) -> None:
         raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(FINETUNE_STRATEGIES)}")
 
 
-def prepare(net: nn.Module, strategy: str) -> nn.Module:
-    """Before the optimizer is built: shard ``net`` for FSDP (its parameters become new objects); DDP: as is."""
+def prepare(net: nn.Module, strategy: str, **options) -> nn.Module:
+    """Before the optimizer is built: shard ``net`` for FSDP (its parameters become new objects), with ``options``
+    for ``fully_shard`` (e.g. ``mp_policy``); DDP: as is."""
     check_strategy(strategy)
-    return shard(net) if strategy == "fsdp" else net
+    return shard(net, **options) if strategy == "fsdp" else net
 
 
 def wrap(net: nn.Module, strategy: str, device: torch.device) -> nn.Module:

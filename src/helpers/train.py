@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from helpers.checkpoint import Checkpoints, Progress, epoch_start_state, set_rng_state, set_sampler_epoch
+from helpers.checkpoint import (CheckpointError, Checkpoints, Progress, epoch_start_state, set_rng_state,
+                                set_sampler_epoch)
 from helpers.distributed import barrier, rank, with_others
-from helpers.wrapping import is_sharded, unwrap
+from helpers.wrapping import is_sharded, no_gradient_sync, unwrap
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -34,18 +36,23 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None, *, after_step=None, skip: int = 0,
-                resume_rng: dict | None = None) -> list[float]:
+                resume_rng: dict | None = None, accumulation: int = 1, amp: torch.dtype | None = None) -> list[float]:
     """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every optimizer step.
 
+    Each optimizer step trains on ``accumulation`` batches of ``loader`` (micro-batches, see ``accumulate``;
+    the epoch's last step on those that are left), its forward and loss under autocast to ``amp`` if given.
     ``after_step(loss, batches)`` is called after every optimizer step with its loss and how many of the epoch's
     batches are trained by then (``fit`` saves its checkpoints there, only between optimizer steps). To resume
     an interrupted epoch, the first ``skip`` batches are drawn but not trained, and then the random state
     ``resume_rng`` (saved with the checkpoint) is restored.
     """
+    if skip % accumulation:
+        raise ValueError(f"train_epoch: skip={skip} batches is not a whole number of optimizer steps of "
+                         f"accumulation={accumulation} batches each")
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.train()
     device = input_device(model)
-    losses = []
+    losses, group = [], []
     # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs;
     # under torchrun only rank 0 draws one (N processes would draw N bars over each other on one terminal line)
     for index, batch in enumerate(tqdm(loader, desc="train", leave=False,
@@ -54,23 +61,52 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
             continue
         if index == skip and resume_rng is not None:
             set_rng_state(resume_rng)
-        loss = forward_backward(model, to_device(batch, device), loss_fn)
-        optimizer_step(optimizer, scheduler)
-        losses.append(loss)
-        if after_step is not None:
-            after_step(loss, index + 1)
+        group.append(to_device(batch, device))
+        if len(group) == accumulation or index + 1 == len(loader):
+            loss = accumulate(model, group, loss_fn, amp)
+            optimizer_step(optimizer, scheduler)
+            losses.append(loss)
+            group = []
+            if after_step is not None:
+                after_step(loss, index + 1)
     if not losses:
         raise ValueError("train_epoch: the loader yielded no batches; is its data set empty, or smaller than "
                          "batch_size with drop_last=True?")
     return losses
 
 
-def forward_backward(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn) -> float:
-    """The loss of ``model`` on ``batch``; its gradients are added to the parameters' ``.grad``."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    loss = loss_fn(logits, batch["labels"])
-    loss.backward()
+def forward_backward(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn, scale: float = 1.0,
+                     amp: torch.dtype | None = None) -> float:
+    """The loss of ``model`` on ``batch``; the gradients of ``scale`` x loss are added to the parameters' ``.grad``.
+
+    ``amp`` (torch.bfloat16) runs the forward and the loss under autocast: matrix products in bf16, while the
+    weights, their gradients and the optimizer stay fp32; autocast computes the loss in fp32 (on CUDA also
+    softmax and layer norm; the CPU's autocast runs those in bf16).
+    """
+    with torch.autocast(batch["labels"].device.type, dtype=amp, enabled=amp is not None):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = loss_fn(logits, batch["labels"])
+    (loss * scale).backward()
     return loss.item()
+
+
+def accumulate(model: nn.Module, batches: list[dict], loss_fn=None, amp: torch.dtype | None = None) -> float:
+    """Forward and backward through each micro-batch of ``batches``: the gradients of one batch of all their
+    examples are then in ``.grad``, ready for one optimizer step. Returns that batch's mean loss.
+
+    Each micro-batch's loss (a mean over its examples) is weighted by its share of all the examples, so
+    micro-batches of unequal size (an epoch's last) give the mean over every example, as one batch would;
+    padding is no example, and a loss per token would be weighted by tokens instead. Every backward but the last
+    stays on this process (``no_gradient_sync``): DDP and FSDP2 communicate once per optimizer step.
+    """
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    examples = sum(len(batch["labels"]) for batch in batches)
+    mean = 0.0
+    for index, batch in enumerate(batches):
+        share = len(batch["labels"]) / examples
+        with nullcontext() if index == len(batches) - 1 else no_gradient_sync(model):
+            mean += share * forward_backward(model, batch, loss_fn, share, amp)
+    return mean
 
 
 def optimizer_step(optimizer, scheduler=None) -> None:
@@ -127,11 +163,13 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
 
 
 def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3,
-        checkpoints: Checkpoints | None = None, *, resume: bool = True, timed: bool = False) -> list[dict]:
+        checkpoints: Checkpoints | None = None, *, resume: bool = True, timed: bool = False, accumulation: int = 1,
+        amp: torch.dtype | None = None) -> list[dict]:
     """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it.
 
-    ``train_loss`` is the mean of the epoch's batch losses, which are kept in ``batch_losses`` for plots;
-    ``timed`` adds the epoch's training ``seconds``. With ``checkpoints`` the run is saved as it goes (every
+    ``train_loss`` is the mean of the epoch's step losses, which are kept in ``batch_losses`` for plots;
+    ``timed`` adds the epoch's training ``seconds``. ``accumulation`` and ``amp``: as in ``train_epoch``; the
+    scheduler steps once per optimizer step. With ``checkpoints`` the run is saved as it goes (every
     ``checkpoints.every`` steps and after each epoch), and a run started again continues from the latest
     checkpoint to exactly the weights it would have reached uninterrupted (``resume=False``: it starts afresh
     and saves over the old checkpoints).
@@ -143,12 +181,14 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     progress, resume_rng = Progress(), None
     if checkpoints is not None and resume:
         progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
+        check_steps(progress, len(train_loader), accumulation)
         if progress.step:
             say(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
     for epoch in range(progress.epoch + 1, epochs + 1):
         set_sampler_epoch(train_loader, epoch)
         start = time.perf_counter()
-        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng)
+        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng,
+                                        accumulation=accumulation, amp=amp)
         resume_rng = None
         row = {"epoch": epoch, "train_loss": mean_over_processes(batch_losses, input_device(model))}
         row |= ({"seconds": time.perf_counter() - start} if timed else {}) | {"batch_losses": batch_losses}
@@ -160,6 +200,17 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
         barrier()  # the others wait for rank 0's evaluation
         end_epoch(progress, row, model, optimizer, scheduler, train_loader, checkpoints)
     return progress.history
+
+
+def check_steps(progress: Progress, batches: int, accumulation: int) -> None:
+    """Raise CheckpointError if a run of ``batches`` per epoch and ``accumulation`` per optimizer step cannot
+    have reached ``progress``: the checkpoint was saved with other data, batch size or gradient accumulation."""
+    steps = progress.epoch * -(-batches // accumulation) + progress.batch // accumulation
+    if progress.batch % accumulation or progress.step != steps:
+        raise CheckpointError(f"the checkpoint stands at optimizer step {progress.step} (epoch {progress.epoch + 1}, "
+                              f"batch {progress.batch}), where a run of {batches} batches per epoch and "
+                              f"{accumulation} per optimizer step never stands: resume with the data, batch size "
+                              f"and gradient accumulation it was saved with")
 
 
 def say(line: str) -> None:
@@ -179,7 +230,8 @@ def mean_over_processes(values: list[float], device: torch.device) -> float:
 
 
 def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, scheduler=None,
-                     checkpoints: Checkpoints | None = None, resume_rng: dict | None = None) -> list[float]:
+                     checkpoints: Checkpoints | None = None, resume_rng: dict | None = None, *,
+                     accumulation: int = 1, amp: torch.dtype | None = None) -> list[float]:
     """``train_epoch`` for the epoch ``progress`` stands in: skip the batches it already trained, keep
     ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's step losses.
 
@@ -197,7 +249,7 @@ def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, sc
             checkpoints.save(model, optimizer, scheduler, progress)
 
     train_epoch(model, loader, optimizer, scheduler, after_step=after_step, skip=progress.batch,
-                resume_rng=resume_rng)
+                resume_rng=resume_rng, accumulation=accumulation, amp=amp)
     return progress.batch_losses
 
 

@@ -1,6 +1,9 @@
-"""Reach the model inside DataParallel, DistributedDataParallel and torch.compile wrappers; tell a sharded one."""
+"""Reach the model inside DataParallel, DistributedDataParallel and torch.compile wrappers; tell a sharded one;
+pause a data-parallel model's gradient communication."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -27,3 +30,25 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(unwrap(model), FSDPModule)
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module):
+    """Inside the block, backward adds gradients on this process only; the first backward after it communicates.
+
+    Gradient accumulation needs the gradients of all processes only once per optimizer step. DDP all-reduces
+    every gradient bucket in every backward unless ``no_sync()`` is active; FSDP2 reduce-scatters every
+    backward unless ``set_requires_gradient_sync(False)``. Any other model has nothing to pause.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_sharded(model):
+        sharded = unwrap(model)
+        sharded.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            sharded.set_requires_gradient_sync(True)
+    else:
+        yield

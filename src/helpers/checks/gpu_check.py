@@ -266,8 +266,9 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: str | None) -> dict[str, cal
     """The checks for a machine with ``gpus`` CUDA GPUs, in the order they run; ``notebooks`` is the pattern of
     notebooks to execute, or None."""
     from helpers.checks import training_checks as runs
+    from helpers.checks.lever_check import check_levers
 
-    checks = {"memory": check_memory}
+    checks = {"memory": check_memory, "levers": check_levers}
     if gpus == 1:
         checks["resume"] = lambda: [runs.check_kill_and_resume(1, scratch / "resume-1", "--deterministic")]
         checks["two processes on one GPU"] = runs.check_two_processes_on_one_gpu

@@ -1,0 +1,171 @@
+"""Gradient accumulation under DDP and FSDP2, checked: the loop most examples use, the collectives each loop makes
+(counted for real), and the gradients of N micro-batches against one process on one batch of all of them.
+
+The right loop is helpers.train.accumulate: it pauses the gradient communication (``no_gradient_sync``) on all
+micro-batches but the last, so DDP all-reduces and FSDP2 reduce-scatters once per optimizer step instead of
+once per micro-batch. Both loops compute the same gradients; only the traffic differs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import set_seed
+
+from helpers.equivalence import EQUIVALENCE_TOLERANCE, loss_and_backward, whole
+from helpers.fsdp import prepare, wrap
+from helpers.lever_memory import tracking
+from helpers.net import Net
+from helpers.train import accumulate, to_device
+from helpers.wrapping import is_sharded, unwrap
+
+
+def accumulate_naively(model: nn.Module, batches: list[dict], loss_fn=None) -> float:
+    """Gradient accumulation as most examples write it: loss / N and backward on each of N micro-batches.
+
+    The gradients are right when the micro-batches are of equal size, but DDP all-reduces (FSDP2 reduce-scatters)
+    in every backward: N times the communication of one batch, where only the last one was needed.
+    """
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    total = 0.0
+    for batch in batches:
+        loss = loss_fn(model(batch["input_ids"], batch["attention_mask"]), batch["labels"]) / len(batches)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+class CollectiveCounter:
+    """Count the collectives a DDP or FSDP2 model makes while a ``with counter:`` block runs, and their bytes.
+
+    DDP all-reduces its gradient buckets from C++, where Python cannot see them, so a communication hook counts
+    each bucket it is handed and then all-reduces it as DDP does (``allreduce_hook``); a DDP model takes one hook
+    in its life, so build one counter per model and reuse it. FSDP2 calls ``torch.distributed.reduce_scatter_single``
+    (gradients) and ``all_gather_single`` (weights) from Python; they are wrapped during the block. Bytes are
+    those of the tensor handed to the collective on this process: a bucket, the full gradients to reduce-scatter,
+    the full gathered weights. A group of one process: DDP still all-reduces; FSDP2 skips its collectives.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.calls, self.bytes = Counter(), Counter()
+        self.active = False
+        self._originals = {}
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(self, count_and_all_reduce)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.calls[name] += 1
+        self.bytes[name] += tensor.numel() * tensor.element_size()
+
+    def __enter__(self) -> CollectiveCounter:
+        self.calls.clear()
+        self.bytes.clear()
+        self.active = True
+        if is_sharded(self.model):
+            gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+            def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
+                self.add("all-gather", output_tensor)
+                return gather(output_tensor, input_tensor, *args, **kwargs)
+
+            def reduce_scatter_single(output, input, *args, **kwargs):
+                self.add("reduce-scatter", input)
+                return scatter(output, input, *args, **kwargs)
+
+            self._originals = {"all_gather_single": gather, "reduce_scatter_single": scatter}
+            dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def summary(self) -> dict:
+        return {name: {"calls": self.calls[name], "bytes": self.bytes[name]} for name in sorted(self.calls)}
+
+
+def count_and_all_reduce(counter, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP communication hook: count the bucket (while the counter is active), then all-reduce it as DDP would."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if counter.active:
+        counter.add("all-reduce", bucket.buffer())
+    return allreduce_hook(None, bucket)
+
+
+LOOPS = {"no_gradient_sync": accumulate, "naive": accumulate_naively}
+
+
+def compare_accumulation(model: str | None, examples: list, collate, device: torch.device, strategy: str = "ddp",
+                         accumulation: int = 4, seed: int = 0) -> dict:
+    """One optimizer step's gradients from ``accumulation`` micro-batches per rank, added up by each loop of
+    LOOPS under ``strategy``, against one process on all ``examples`` in one batch (dropout off, as in
+    helpers.equivalence); with the collectives each loop made and, for FSDP2, the bytes by category this rank holds
+    as the second micro-batch begins (gradients: whole while the sync is paused). Every rank must call it.
+
+    Each rank takes len(examples) // world_size of them (a remainder is left out), in equal micro-batches.
+    """
+    ranks, me = dist.get_world_size(), dist.get_rank()
+    share = len(examples) // ranks // accumulation * accumulation
+    if share == 0:
+        raise ValueError(f"compare_accumulation: {len(examples)} examples do not fill {accumulation} micro-batches "
+                         f"on each of {ranks} process(es)")
+    examples, micro = examples[:share * ranks], share // accumulation
+    set_seed(seed)
+    one_process = Net(model, pooler=False).to(device).eval()  # eval(): no dropout
+    copies = {loop: copy.deepcopy(one_process) for loop in LOOPS}  # before any gradient exists
+    loss_and_backward(one_process, collate(examples))
+    reference = dict(one_process.named_parameters())
+    mine = examples[me * share:(me + 1) * share]
+    batches = [to_device(collate(mine[start:start + micro]), device) for start in range(0, share, micro)]
+    result = {"strategy": strategy, "world_size": ranks, "micro_batches": accumulation, "micro_batch_size": micro,
+              "global_batch_size": len(examples), "parameters": sum(p.numel() for p in one_process.parameters())}
+    for loop, run in LOOPS.items():
+        parallel = wrap(prepare(copies[loop], strategy), strategy, device)
+        counter, sharded = CollectiveCounter(parallel), is_sharded(parallel)
+        if not sharded:  # after a first step, DDP has ordered its buckets as backward fills them
+            run(parallel, batches)
+            parallel.zero_grad(set_to_none=True)
+        held = tracking(parallel) if sharded else nullcontext((None, []))  # FSDP2: what a micro-batch leaves held
+        with counter, held as (_, starts):
+            run(parallel, batches)
+        diff = max((whole(p.grad) - reference[name].grad).abs().max().item()
+                   for name, p in unwrap(parallel).named_parameters())
+        largest = torch.tensor(diff, dtype=torch.float64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest difference on any rank
+        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary()}
+        if sharded:  # what FSDP2 holds from one micro-batch to the next: whole gradients while the sync is paused
+            result[loop]["between_micro_batches"] = starts[1]
+    return result
+
+
+def describe_collectives(collectives: dict, gradient_bytes: int) -> str:
+    """A ``CollectiveCounter.summary()`` in words: each kind's calls and MiB, and for those that carry gradients,
+    how many times the gradients' bytes that is (the rounds over all of them)."""
+    return "; ".join(f"{kind} {entry['calls']} calls, {entry['bytes'] / 2**20:.2f} MiB" + (
+        "" if kind == "all-gather" else f" = {entry['bytes'] / gradient_bytes:.1f} x the gradients")
+        for kind, entry in collectives.items()) or "no collectives"
+
+
+def accumulation_lines(result: dict) -> list[str]:
+    """``compare_accumulation``'s result in words, at a precision that does not depend on the CPU: per loop, whether
+    the gradients are those of one batch, the collectives, and (FSDP2) the gradients held between micro-batches."""
+    name, tolerance = result["strategy"].upper(), EQUIVALENCE_TOLERANCE
+    lines = [f"{name}: {result['world_size']} process(es) x {result['micro_batches']} micro-batches of "
+             f"{result['micro_batch_size']} = global batch {result['global_batch_size']}, one optimizer step"]
+    for loop in LOOPS:
+        row = result[loop]
+        held = row.get("between_micro_batches")
+        lines.append(f"  {loop:<17} gradients = one batch (<= {tolerance:g}): {row['max_abs_grad_diff'] <= tolerance}"
+                     f" | {describe_collectives(row['collectives'], 4 * result['parameters'])}"
+                     + (f" | gradients held between micro-batches: {held['gradients'] / 2**20:.2f} MiB"
+                        if held else ""))
+    return lines

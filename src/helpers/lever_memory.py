@@ -1,0 +1,182 @@
+"""The memory of one real training step with each lever, tracked, beside what the prediction says for it.
+
+tracked: PyTorch's MemTracker (FSDPMemTracker for a sharded model) around one optimizer step exactly as
+helpers.train runs it (``accumulate``, then ``optimizer_step``), with the lever applied as helpers.finetune applies
+it (helpers.levers), on real tensors. predicted: helpers.memtrace's trace of the same step on fake tensors. Notebook
+05 asks it what a CUDA GPU keeps (1-byte dropout masks, the fused attention kernels); here it is asked what this
+step keeps where it runs, on the CPU: float dropout masks, and PyTorch's own choice of attention computation
+(in training, with dropout, the CPU computes attention step by step and keeps its probabilities for backward).
+Both steps start after a warm-up step that creates Adam's state, on a batch of random tokens without padding.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from helpers import fsdp_memory, memtrace
+from helpers.cuda_step import CudaPeak
+from helpers.levers import amp_dtype, enable_checkpointing
+from helpers.net import Net
+from helpers.train import accumulate, input_device, optimizer_step
+from helpers.wrapping import is_sharded, unwrap
+
+LEVERS = {"none": {}, "accumulation": {"accumulation": 2}, "checkpointing": {"checkpointing": True},
+          "bf16 autocast": {"amp": "bf16"}}
+"""The three levers of notebook 05 as options of ``tracked_step`` and ``predicted_step``; "none" for comparison."""
+
+
+def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches: int = 1, seed: int = 0) -> list:
+    """``batch_size`` examples of random tokens without padding, in ``micro_batches`` equal micro-batches."""
+    generator = torch.Generator().manual_seed(seed)
+    size = batch_size // micro_batches
+    return [{"input_ids": torch.randint(0, vocab_size, (size, seq_len), generator=generator),
+             "attention_mask": torch.ones(size, seq_len, dtype=torch.long),
+             "labels": torch.randint(0, 2, (size,), generator=generator)} for _ in range(micro_batches)]
+
+
+@contextmanager
+def tracking(model: torch.nn.Module, optimizer=None):
+    """Yield ``(tracker, starts)``: a MemTracker (FSDPMemTracker for a sharded model), active in the block, and a list
+    that gets the bytes by category held as each forward of ``model`` begins (between micro-batches: what one
+    micro-batch leaves for the next). Each forward starts the tracker's module statistics afresh, which it needs
+    for a second forward of the same modules. Garbage collection waits until the end, so that it frees nothing at
+    an arbitrary point of the step."""
+    if is_sharded(model):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(unwrap(model), optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    starts = []
+
+    def forward_begins(module, _):  # a global hook runs before the tracker's own hooks on the module
+        if module is model:  # the outermost module (a wrapper, if any) starts the forward
+            starts.append(by_category(tracker, "current"))
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(forward_begins)
+    gc.collect()
+    gc.disable()
+    try:
+        with tracker:
+            yield tracker, starts
+    finally:
+        gc.enable()
+        handle.remove()
+
+
+def by_category(tracker, moment: str = "peak") -> dict[str, int]:
+    """The tracker's bytes at ``moment`` ("peak" or "current") in the words of notebook 05 (08 for a sharded model:
+    "gathered" weights too), and 'total'."""
+    snapshot = tracker.get_tracker_snapshot(moment)
+    if type(tracker).__name__ != "FSDPMemTracker":
+        return memtrace.by_category(snapshot)
+    (device,) = snapshot.values()
+    return fsdp_memory.by_category({getattr(kind, "value", kind): nbytes for kind, nbytes in device.items()
+                                    if kind != "Total"})
+
+
+def step(model, optimizer, batches: list, amp: str | None = None) -> float:
+    """One optimizer step as helpers.train takes it: ``accumulate`` over the micro-batches, then the update."""
+    loss = accumulate(model, batches, amp=amp_dtype(amp))
+    optimizer_step(optimizer)
+    return loss
+
+
+def tracked_step(model, optimizer, batches: list, amp: str | None = None) -> dict[str, int]:
+    """Peak bytes by category of a real step of ``model`` on ``batches`` (micro-batches), after a warm-up step."""
+    device = input_device(model)
+    batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+    model.train()
+    warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
+    step(model, optimizer, [warm_up], amp)  # creates Adam's state
+    with tracking(model, optimizer) as (tracker, _):
+        step(model, optimizer, batches, amp)
+    return by_category(tracker)
+
+
+def seconds_per_step(model, optimizer, batches: list, amp: str | None = None, repeats: int = 3) -> float:
+    """The median wall time of ``repeats`` real steps (after one untimed step) of ``model`` on ``batches``."""
+    device = input_device(model)
+    batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+    model.train()
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        step(model, optimizer, batches, amp)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def predicted_step(config, batch_size: int, seq_len: int, *, accumulation: int = 1, checkpointing: bool = False,
+                   amp: str | None = None) -> dict[str, int]:
+    """The peak bytes by category helpers.memtrace predicts for this step on the CPU (fake tensors): ``Net`` as
+    helpers.finetune builds it (no pooler), float dropout masks, the attention PyTorch computes there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = config.__class__(**(config.to_dict() | {"use_cache": False}))  # as enable_checkpointing sets it
+    model = memtrace.build_model(config, "sdpa", checkpointing)
+    model.bert.pooler = None  # as Net(pooler=False), which helpers.finetune trains
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        trace = memtrace.trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size,
+                                    accumulation=accumulation, cuda_dropout=False, fused_attention=False,
+                                    amp_dtype=amp_dtype(amp))
+    return trace.peak
+
+
+def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVERS, seed: int = 0) -> dict[str, dict]:
+    """For each lever: the bundled model's predicted and tracked peak (bytes by category) and seconds per step on
+    this machine's CPU, at the same global batch of ``batch_size`` examples of ``seq_len`` tokens."""
+    config = memtrace.bundled_config()
+    rows = {}
+    for name, options in levers.items():
+        accumulation, amp = options.get("accumulation", 1), options.get("amp")
+        torch.manual_seed(seed)
+        net = Net(pooler=False)
+        if options.get("checkpointing"):
+            enable_checkpointing(net)
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)  # as memtrace traces it
+        batches = random_batches(config.vocab_size, batch_size, seq_len, accumulation, seed)
+        rows[name] = {"predicted": predicted_step(config, batch_size, seq_len, accumulation=accumulation,
+                                                  checkpointing=bool(options.get("checkpointing")), amp=amp),
+                      "tracked": tracked_step(net, optimizer, batches, amp),
+                      "seconds": seconds_per_step(net, optimizer, batches, amp)}
+    return rows
+
+
+def cuda_step_peak(config, batch_size: int, seq_len: int, *, accumulation: int = 1, checkpointing: bool = False,
+                   amp: str | None = None, device: int = 0) -> CudaPeak:
+    """``torch.cuda.max_memory_allocated`` over one real step of a BERT-shaped ``Net`` (random weights, with its
+    pooler, as notebook 05's predictions have it) on GPU ``device``, with the lever applied as helpers.finetune
+    applies it, after a warm-up step that creates Adam's state. What notebook 05's ``per_device`` predicts."""
+    torch.manual_seed(0)
+    net = memtrace.build_model(config, device="cpu")
+    if checkpointing:
+        enable_checkpointing(net)
+    net = net.to(f"cuda:{device}").train()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)
+    batches = [{key: value.to(f"cuda:{device}") for key, value in batch.items()}
+               for batch in random_batches(config.vocab_size, batch_size, seq_len, accumulation)]
+    warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
+    step(net, optimizer, [warm_up], amp)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step(net, optimizer, batches, amp)
+    torch.cuda.synchronize(device)
+    peak = CudaPeak(before, torch.cuda.max_memory_allocated(device))
+    del net, optimizer, batches
+    torch.cuda.empty_cache()
+    return peak

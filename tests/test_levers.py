@@ -1,0 +1,197 @@
+"""The memory levers in helpers.finetune: --grad-accum-steps, --amp bf16 and --gradient-checkpointing train, are
+recorded, and resume bitwise after a kill between two micro-batches' optimizer steps, in one process, under
+2-process DDP and under 2-process FSDP2; bad input is named in one line; each lever's tracked memory on a real
+step is what helpers.memtrace predicts for it.
+
+Each kill-and-resume applies all three levers at once: one killed run, its resumption and an uninterrupted run
+per strategy (the one-process runs after the kill run in this process, which saves two interpreter starts).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import levers
+from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
+from helpers.checks.training_checks import finetune_command, kill_and_resume
+from helpers.finetune import find_problem, main, parse_args
+from helpers.lever_memory import LEVERS, predicted_step, random_batches, tracked_step
+from helpers.memtrace import bundled_config
+from helpers.net import Net
+
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                    "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+LEVER_ARGS = ["--grad-accum-steps", "2", "--amp", "bf16", "--gradient-checkpointing"]
+RUN = ["--train-examples", "64", "--val-examples", "16", "--global-batch-size", "8", "--epochs", "2", *LEVER_ARGS]
+MICRO_BATCHES_PER_EPOCH, STEPS = 16, 16  # 64 examples in micro-batches of 8 / (processes x 2); 8 steps per epoch
+
+
+@pytest.mark.parametrize(("argv", "world_size", "examples", "message"), [
+    (["--grad-accum-steps", "0"], 1, 100, "--grad-accum-steps 0: must be at least 1"),
+    (["--global-batch-size", "12", "--grad-accum-steps", "4"], 2, 100,
+     "--global-batch-size 12 does not split into equal micro-batches over 2 process(es) x 4 accumulation steps; "
+     "use a multiple of 8"),
+    (["--global-batch-size", "16", "--grad-accum-steps", "4"], 2, 12,
+     "--grad-accum-steps 4: an epoch has only 3 micro-batch(es) of 2 per process (12 training examples over 2 "
+     "process(es)); use at most 3, or more training examples"),
+])
+def test_bad_accumulation_is_named_in_one_line(argv, world_size, examples, message):
+    assert find_problem(parse_args(argv), world_size=world_size, rank=0, train_examples=examples) == message
+
+
+def test_accumulation_that_fits_is_accepted():
+    args = parse_args(["--global-batch-size", "16", "--grad-accum-steps", "4"])
+    assert find_problem(args, world_size=2, rank=0, train_examples=13) is None  # 7 examples: micro-batches 2,2,2,1
+
+
+def test_bf16_is_refused_on_a_gpu_without_it_and_accepted_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_, **__: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 0))
+    assert levers.amp_problem("bf16", torch.device("cuda", 0)) == (
+        "--amp bf16: Tesla V100-SXM2-16GB (compute capability 7.0) has no bf16 support; train in fp32 (leave out "
+        "--amp), or use a GPU of compute capability 8.0 or later")
+    assert levers.amp_problem("bf16", torch.device("cpu")) is None
+    assert levers.amp_problem(None, torch.device("cuda", 0)) is None
+
+
+def test_an_unknown_amp_type_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--amp", "fp16"])
+    assert "argument --amp: invalid choice: 'fp16' (choose from 'bf16')" in capsys.readouterr().err
+
+
+def test_checkpointing_is_switched_on_in_every_layer():
+    net = levers.enable_checkpointing(Net(pooler=False))
+    assert all(layer.gradient_checkpointing for layer in net.bert.encoder.layer)
+    assert net.bert.config.use_cache is False
+
+
+def check_resumed(result, processes):
+    stopped = result["stopped_at"]
+    assert stopped["batch"] == 2 * stopped["step"], stopped  # saved between two optimizer steps
+    assert 0 < stopped["batch"] < MICRO_BATCHES_PER_EPOCH, stopped  # in the middle of an epoch
+    assert result["processes_saved"] == processes
+    resumed, uninterrupted = result["resumed"], result["uninterrupted"]
+    assert result["bitwise"], (resumed["weights_sha256"], uninterrupted["weights_sha256"])
+    for mine, theirs in zip(resumed["history"], uninterrupted["history"], strict=True):
+        assert (mine["train_loss"], mine["val_loss"]) == (theirs["train_loss"], theirs["val_loss"])
+    assert {key: uninterrupted[key] for key in ("grad_accum_steps", "micro_batch_size", "amp", "gradient_checkpointing",
+                                                "steps")} == {"grad_accum_steps": 2, "micro_batch_size": 4 // processes,
+                                                              "amp": "bf16", "gradient_checkpointing": True,
+                                                              "steps": STEPS}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_with_every_lever_killed_mid_epoch_resume_bitwise(tmp_path, strategy):
+    result = kill_and_resume(finetune_command(2, *RUN, "--strategy", strategy, "--device", "cpu"),
+                             tmp_path / "checkpoints", tmp_path / "killed.log")
+    check_resumed(result, processes=2)
+    assert result["uninterrupted"]["strategy"] == strategy
+
+
+def test_one_process_with_every_lever_killed_mid_epoch_resumes_bitwise_and_records_the_levers(tmp_path, capsys):
+    directory, saving = tmp_path / "checkpoints", ["--save-every", "3"]
+    command = [sys.executable, "-m", "helpers.finetune", *RUN, "--checkpoint-dir", str(directory), *saving]
+    with open(tmp_path / "killed.log", "w") as log:
+        child = subprocess.Popen(command, env=ENV, stdout=log, stderr=log)
+        deadline = time.monotonic() + 300
+        while not (directory / "latest").exists():
+            assert child.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+    stopped = read_state(Checkpoints(directory).latest() / STATE_FILE)["progress"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the killed run (OMP_NUM_THREADS=1): another number of threads adds up otherwise
+    try:
+        resumed = main([*RUN, "--checkpoint-dir", str(directory), *saving, "--resume",
+                        "--output-dir", str(tmp_path / "out")])
+        uninterrupted = main(RUN)
+    finally:
+        torch.set_num_threads(threads)
+    check_resumed({"stopped_at": stopped, "processes_saved": 1, "resumed": resumed, "uninterrupted": uninterrupted,
+                   "bitwise": resumed["weights_sha256"] == uninterrupted["weights_sha256"]}, processes=1)
+    out = capsys.readouterr().out
+    assert "1 process(es), backend gloo, device cpu; batch 8 per rank (2 micro-batches of 4) x 1 = global batch 8; " \
+           "bf16 autocast; activation checkpointing" in out
+    assert f"resumed at step {stopped['step']}: epoch 1, batch {stopped['batch']}" in out
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (metrics["grad_accum_steps"], metrics["micro_batch_size"], metrics["amp"]) == (2, 4, "bf16")
+    assert [len(row["batch_losses"]) for row in metrics["history"]] == [8, 8]  # one loss per optimizer step
+
+
+@pytest.fixture(scope="module")
+def memory():
+    """Each lever's predicted and tracked peak for the bundled model, global batch 16 of 64 tokens."""
+    config, rows = bundled_config(), {}
+    for name, options in LEVERS.items():
+        accumulation = options.get("accumulation", 1)
+        torch.manual_seed(0)
+        net = Net(pooler=False)
+        if options.get("checkpointing"):
+            levers.enable_checkpointing(net)
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)
+        rows[name] = {"predicted": predicted_step(config, 16, 64, accumulation=accumulation,
+                                                  checkpointing=bool(options.get("checkpointing")),
+                                                  amp=options.get("amp")),
+                      "tracked": tracked_step(net, optimizer, random_batches(config.vocab_size, 16, 64, accumulation),
+                                              options.get("amp"))}
+    return rows
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+def test_each_levers_tracked_peak_and_saving_are_predicted_within_5_percent(memory, lever):
+    predicted, tracked = memory[lever]["predicted"]["total"], memory[lever]["tracked"]["total"]
+    assert tracked == pytest.approx(predicted, rel=0.05)
+    if lever != "none":
+        saving = {side: 1 - memory[lever][side]["total"] / memory["none"][side]["total"] for side in memory[lever]}
+        assert saving["tracked"] > 0.1
+        assert saving["tracked"] == pytest.approx(saving["predicted"], rel=0.05)
+
+
+def test_accumulation_divides_the_activations_and_keeps_gradients_and_adam_state(memory):
+    none, accumulation = memory["none"]["tracked"], memory["accumulation"]["tracked"]
+    micro_batches = LEVERS["accumulation"]["accumulation"]
+    assert accumulation["activations"] == pytest.approx(none["activations"] / micro_batches, rel=0.01)
+    assert accumulation["optimizer"] == none["optimizer"]  # Adam's two moments, whatever the batch
+    assert accumulation["gradients"] == 4 * sum(p.numel() for p in Net(pooler=False).parameters())  # all of them,
+    # held from the first micro-batch's backward to the optimizer step
+
+
+def test_the_gpu_check_skips_without_cuda_and_is_registered(monkeypatch, tmp_path):
+    from helpers.checks import gpu_check, lever_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lever_check.check_levers() == [(True, "skip lever check: no CUDA device on this machine")]
+    assert gpu_check.gpu_checks(1, tmp_path, notebooks=False)["levers"] is lever_check.check_levers
+
+
+@pytest.mark.parametrize(("measured_over_predicted", "ok"), [(1.03, True), (1.08, False)])
+def test_the_gpu_check_compares_each_levers_peak_with_05s_prediction(monkeypatch, measured_over_predicted, ok):
+    """The comparison and the report lines, with the GPU's measurement replaced by the prediction times a factor
+    (nothing runs on a GPU here)."""
+    from helpers.checks import lever_check
+    from helpers.cuda_step import CudaPeak
+    from helpers.memory import per_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_, **__: True)
+
+    def measured(config, batch_size, seq_len, *, accumulation, checkpointing, amp):
+        (predicted,) = per_device(config, batch_size, seq_len, accumulation=accumulation, checkpointing=checkpointing,
+                                  amp=bool(amp))
+        return CudaPeak(0, round(predicted["total"] * measured_over_predicted))
+
+    monkeypatch.setattr(lever_check, "cuda_step_peak", measured)
+    results = lever_check.check_levers(batch_size=2, seq_len=32)
+    assert [result[0] for result in results] == [ok] * len(LEVERS)
+    assert results[0][1].startswith("lever none           BERT-base 1 GPU, B=2, L=32: predicted ")
+    assert all(f"gap {measured_over_predicted - 1:+.1%}" in line for _, line in results)
+    assert all("; saving vs none: predicted " in line for _, line in results[1:])
