@@ -110,7 +110,7 @@ def test_a_memory_gap_names_its_causes():
 def test_the_memory_grid_and_partial_runs():
     from helpers.checks.gpu_check import MemoryCase, arguments, memory_cases, series_notebooks
 
-    assert len(memory_cases(1, bf16=True)) == 24 and len(memory_cases(2, bf16=False)) == 14
+    assert len(memory_cases(1, bf16=True)) == 26 and len(memory_cases(2, bf16=False)) == 16  # with the 2 lever cases
     assert MemoryCase(16, 512, amp=True, accumulation=2).label("cuDNN") == \
         "1 GPU, cuDNN, bf16, B=16, L=512, accumulation 2"
     assert [path.name for path in series_notebooks("08*")] == ["08_fsdp2.ipynb"]

@@ -163,35 +163,3 @@ def test_accumulation_divides_the_activations_and_keeps_gradients_and_adam_state
     assert accumulation["optimizer"] == none["optimizer"]  # Adam's two moments, whatever the batch
     assert accumulation["gradients"] == 4 * sum(p.numel() for p in Net(pooler=False).parameters())  # all of them,
     # held from the first micro-batch's backward to the optimizer step
-
-
-def test_the_gpu_check_skips_without_cuda_and_is_registered(monkeypatch, tmp_path):
-    from helpers.checks import gpu_check, lever_check
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert lever_check.check_levers() == [(True, "skip lever check: no CUDA device on this machine")]
-    assert gpu_check.gpu_checks(1, tmp_path, notebooks=False)["levers"] is lever_check.check_levers
-
-
-@pytest.mark.parametrize(("measured_over_predicted", "ok"), [(1.03, True), (1.08, False)])
-def test_the_gpu_check_compares_each_levers_peak_with_05s_prediction(monkeypatch, measured_over_predicted, ok):
-    """The comparison and the report lines, with the GPU's measurement replaced by the prediction times a factor
-    (nothing runs on a GPU here)."""
-    from helpers.checks import lever_check
-    from helpers.cuda_step import CudaPeak
-    from helpers.memory import per_device
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_, **__: True)
-
-    def measured(config, batch_size, seq_len, *, accumulation, checkpointing, amp):
-        (predicted,) = per_device(config, batch_size, seq_len, accumulation=accumulation, checkpointing=checkpointing,
-                                  amp=bool(amp))
-        return CudaPeak(0, round(predicted["total"] * measured_over_predicted))
-
-    monkeypatch.setattr(lever_check, "cuda_step_peak", measured)
-    results = lever_check.check_levers(batch_size=2, seq_len=32)
-    assert [result[0] for result in results] == [ok] * len(LEVERS)
-    assert results[0][1].startswith("lever none           BERT-base 1 GPU, B=2, L=32: predicted ")
-    assert all(f"gap {measured_over_predicted - 1:+.1%}" in line for _, line in results)
-    assert all("; saving vs none: predicted " in line for _, line in results[1:])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from helpers.levers import enable_checkpointing
 from helpers.memtrace import build_model
 
 
@@ -48,7 +49,10 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
     """
     leftovers = [clean_state(device) for device in devices]
     torch.manual_seed(0)
-    model = build_model(config, attention=attention, checkpointing=checkpointing, device="cpu").to(f"cuda:{devices[0]}")
+    model = build_model(config, attention=attention, device="cpu")
+    if checkpointing:  # as helpers.finetune --gradient-checkpointing applies it
+        enable_checkpointing(model)
+    model = model.to(f"cuda:{devices[0]}")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     net = nn.DataParallel(model, device_ids=devices) if len(devices) > 1 else model
     net.train()

@@ -20,7 +20,6 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from helpers import fsdp_memory, memtrace
-from helpers.cuda_step import CudaPeak
 from helpers.levers import amp_dtype, enable_checkpointing
 from helpers.net import Net
 from helpers.train import accumulate, input_device, optimizer_step
@@ -60,7 +59,7 @@ def tracking(model: torch.nn.Module, optimizer=None):
 
     def forward_begins(module, _):  # a global hook runs before the tracker's own hooks on the module
         if module is model:  # the outermost module (a wrapper, if any) starts the forward
-            starts.append(by_category(tracker, "current"))
+            starts.append(tracked_categories(tracker, "current"))
             tracker.reset_mod_stats()
 
     handle = register_module_forward_pre_hook(forward_begins)
@@ -74,14 +73,14 @@ def tracking(model: torch.nn.Module, optimizer=None):
         handle.remove()
 
 
-def by_category(tracker, moment: str = "peak") -> dict[str, int]:
+def tracked_categories(tracker, moment: str = "peak") -> dict[str, int]:
     """The tracker's bytes at ``moment`` ("peak" or "current") in the words of notebook 05 (08 for a sharded model:
     "gathered" weights too), and 'total'."""
     snapshot = tracker.get_tracker_snapshot(moment)
     if type(tracker).__name__ != "FSDPMemTracker":
-        return memtrace.by_category(snapshot)
+        return memtrace.tracker_categories(snapshot)
     (device,) = snapshot.values()
-    return fsdp_memory.by_category({getattr(kind, "value", kind): nbytes for kind, nbytes in device.items()
+    return fsdp_memory.fsdp_categories({getattr(kind, "value", kind): nbytes for kind, nbytes in device.items()
                                     if kind != "Total"})
 
 
@@ -101,7 +100,7 @@ def tracked_step(model, optimizer, batches: list, amp: str | None = None) -> dic
     step(model, optimizer, [warm_up], amp)  # creates Adam's state
     with tracking(model, optimizer) as (tracker, _):
         step(model, optimizer, batches, amp)
-    return by_category(tracker)
+    return tracked_categories(tracker)
 
 
 def seconds_per_step(model, optimizer, batches: list, amp: str | None = None, repeats: int = 3) -> float:
@@ -154,29 +153,3 @@ def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVER
                       "tracked": tracked_step(net, optimizer, batches, amp),
                       "seconds": seconds_per_step(net, optimizer, batches, amp)}
     return rows
-
-
-def cuda_step_peak(config, batch_size: int, seq_len: int, *, accumulation: int = 1, checkpointing: bool = False,
-                   amp: str | None = None, device: int = 0) -> CudaPeak:
-    """``torch.cuda.max_memory_allocated`` over one real step of a BERT-shaped ``Net`` (random weights, with its
-    pooler, as notebook 05's predictions have it) on GPU ``device``, with the lever applied as helpers.finetune
-    applies it, after a warm-up step that creates Adam's state. What notebook 05's ``per_device`` predicts."""
-    torch.manual_seed(0)
-    net = memtrace.build_model(config, device="cpu")
-    if checkpointing:
-        enable_checkpointing(net)
-    net = net.to(f"cuda:{device}").train()
-    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)
-    batches = [{key: value.to(f"cuda:{device}") for key, value in batch.items()}
-               for batch in random_batches(config.vocab_size, batch_size, seq_len, accumulation)]
-    warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
-    step(net, optimizer, [warm_up], amp)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step(net, optimizer, batches, amp)
-    torch.cuda.synchronize(device)
-    peak = CudaPeak(before, torch.cuda.max_memory_allocated(device))
-    del net, optimizer, batches
-    torch.cuda.empty_cache()
-    return peak

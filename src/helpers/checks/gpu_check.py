@@ -71,10 +71,12 @@ class MemoryCase:
 
 
 def memory_cases(gpus: int, bf16: bool) -> list[MemoryCase]:
-    """The grid: B 8/16/32 x L 128/512, sdpa and eager, fp32 and (where supported) bf16 autocast; DataParallel
-    over two GPUs in the memo's setting where there are two."""
+    """The grid: B 8/16/32 x L 128/512, sdpa and eager, fp32 and (where supported) bf16 autocast; the two other
+    levers of helpers.finetune at B=16, L=512 (2 micro-batches; activation checkpointing); DataParallel over two
+    GPUs in the memo's setting where there are two."""
     cases = [MemoryCase(batch, length, attention, amp) for amp in ((False, True) if bf16 else (False,))
              for attention in ("sdpa", "eager") for length in (128, 512) for batch in (8, 16, 32)]
+    cases += [MemoryCase(16, 512, accumulation=2), MemoryCase(16, 512, checkpointing=True)]
     if gpus >= 2:
         cases += [MemoryCase(32, 512, attention, gpus=2) for attention in ("sdpa", "eager")]
     return cases
@@ -266,9 +268,8 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: str | None) -> dict[str, cal
     """The checks for a machine with ``gpus`` CUDA GPUs, in the order they run; ``notebooks`` is the pattern of
     notebooks to execute, or None."""
     from helpers.checks import training_checks as runs
-    from helpers.checks.lever_check import check_levers
 
-    checks = {"memory": check_memory, "levers": check_levers}
+    checks = {"memory": check_memory}
     if gpus == 1:
         checks["resume"] = lambda: [runs.check_kill_and_resume(1, scratch / "resume-1", "--deterministic")]
         checks["two processes on one GPU"] = runs.check_two_processes_on_one_gpu
