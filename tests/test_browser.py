@@ -264,26 +264,26 @@ def test_a_docs_page_reads_offline_on_a_phone(browser, site):
 
 @pytest.mark.parametrize("width", [1400, 390])
 def test_a_docs_page_switches_between_cpu_and_gpu_outputs_without_script(browser, site, width):
-    """Notebook 05's NVML cell: the stored CPU output first, the H200's after a tap on its tab; CSS only (scripts
-    off), nothing fetched from another host, no sideways scrolling on a phone."""
+    """Notebook 07's first training run: the stored CPU output first, the H200's after a tap on its tab; CSS only
+    (scripts off), nothing fetched from another host, no sideways scrolling on a phone."""
     context = browser.new_context(viewport={"width": width, "height": 900}, is_mobile=width < 500,
                                   device_scale_factor=2 if width < 500 else 1, java_script_enabled=False)
     requested = []
     context.route(re.compile(r"^https?://"), lambda route: (requested.append(route.request.url), route.abort()))
     try:
         page = context.new_page()
-        page.goto((site / "notebooks/05_gpu_memory.html").as_uri())
-        cell = page.locator("div.cell").filter(has=page.locator(".cell_input", has_text="nvml_snapshot()")).first
+        page.goto((site / "notebooks/07_checkpoints_and_prediction.html").as_uri())
+        cell = page.locator("div.cell").filter(has=page.locator(".cell_input", has_text="uninterrupted = run_finetune")).first
         cpu, gpu = cell.locator(".gpu-tab-panel").nth(0), cell.locator(".gpu-tab-panel").nth(1)
         cell.scroll_into_view_if_needed()
         assert cpu.is_visible() and not gpu.is_visible()
-        assert "skipped: NVML unavailable" in cpu.inner_text()
-        screenshot(page, f"docs_05_tab_cpu_{width}.png")
+        assert "backend gloo, device cpu" in cpu.inner_text()
+        screenshot(page, f"docs_07_tab_cpu_{width}.png")
 
         cell.locator("label", has_text="NVIDIA H200, torch 2.11").click()
         assert gpu.is_visible() and not cpu.is_visible()
-        assert "NVIDIA H200" in gpu.inner_text() and "143,771 MiB" in gpu.inner_text()
-        screenshot(page, f"docs_05_tab_gpu_{width}.png")
+        assert "backend nccl, device cuda" in gpu.inner_text()
+        screenshot(page, f"docs_07_tab_gpu_{width}.png")
         cell.locator("label", has_text="CPU（保存済み）").click()
         assert cpu.is_visible() and not gpu.is_visible()
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways"
