@@ -127,12 +127,12 @@ def this_machine(note: str) -> dict:
     """run.json's fields for the machine this runs on (CUDA needed), the project's commit and today's date."""
     import torch
 
-    try:
-        import pynvml
+    import pynvml  # nvidia-ml-py, pinned in requirements.txt
 
+    try:
         pynvml.nvmlInit()
         driver = pynvml.nvmlSystemGetDriverVersion()
-    except Exception:  # NVML missing or not answering: the driver is then not recorded
+    except pynvml.NVMLError:  # no driver library, or it does not answer: the driver is then not recorded
         driver = None
     git = ["git", "-C", str(ROOT)]
     commit = subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
