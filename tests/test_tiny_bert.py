@@ -58,6 +58,7 @@ def test_vocabulary_covers_every_bundled_sentence():
 
 
 def test_bundled_vocab_file_matches_the_builder():
+    """Drift: the committed vocab.txt against what the builder makes from the bundled sentences now."""
     vocab = (bundled_model_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
     assert vocab == build_vocab([e.text for e in load_split("train")], bundled_alphabet())
 
@@ -115,6 +116,7 @@ def test_a_width_the_heads_cannot_split_is_refused_before_building(tmp_path):
 
 
 def test_model_card_states_the_bundled_model_size():
+    """Drift: the figures the model card states against the committed model."""
     card = (bundled_model_dir() / "MODEL_CARD.md").read_text(encoding="utf-8")
     bert, tokenizer = load_bert(), load_tokenizer()
     config = bert.config
