@@ -231,3 +231,15 @@ def test_checkpointed_layers_recompute_under_the_kernels_of_their_forward():
         again = CudaLikeKernels.for_recomputation()
     assert again is not forward and vars(again) == vars(forward)
     assert isinstance(CudaLikeKernels.for_recomputation(), contextlib.nullcontext)
+
+
+def test_a_dataparallel_replica_holds_no_gradients_of_earlier_micro_batches():
+    """DataParallel adds each replica's gradients into GPU 0's ``.grad`` at the end of its backward
+    (``Broadcast.backward``): with 2 micro-batches, GPU 0 holds the first one's gradients while the second runs,
+    GPU 1 holds none of them, so the gap between the two grows by exactly those gradients."""
+    config = bundled_config()
+    (gpu0, gpu1), (gpu0_acc, gpu1_acc) = (per_device(config, 16, 64, strategy="dataparallel", gpus=2, accumulation=n)
+                                          for n in (1, 2))
+    trainable = 4 * sum(p.numel() for name, p in build_model(config).named_parameters() if "pooler" not in name)
+    assert gpu0_acc["gradients"] >= trainable and gpu1_acc["gradients"] == 0
+    assert (gpu0_acc["total"] - gpu1_acc["total"]) - (gpu0["total"] - gpu1["total"]) == gpu0_acc["gradients"]

@@ -205,7 +205,7 @@ def plot_per_rank(table: dict, cards_gib=(16, 24, 40, 80)):
         for card in cards_gib:
             if card < 1.15 * max(heights):
                 ax.axhline(card, color="black", linestyle="--", linewidth=0.8)
-                ax.text(len(bars) - 0.5, card, f"{card} GB", fontsize=7, va="bottom", ha="right")
+                ax.text(len(bars) - 0.5, card, f"{card} GiB", fontsize=7, va="bottom", ha="right")
         ax.set_title(f"{name} ({entry['parameters'] / 1e6:,.0f} M parameters)", fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     axes[0][0].set_ylabel("GiB per GPU (predicted)")

@@ -159,16 +159,16 @@ def sdpa_kernel(capability: tuple[int, int], half: bool, masked: bool = False) -
     """The kernel ``scaled_dot_product_attention`` picks for BERT's training call (head size 64, dropout) on a GPU
     of this compute capability: ``half`` for fp16/bf16 inputs (autocast), ``masked`` with a padding mask.
 
-    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask; flash runs on sm80 to sm90. From sm90
-    on, PyTorch prefers cuDNN (measured on the H200 with torch 2.11: bf16 picked cuDNN). Everything else takes
-    the memory-efficient kernel. On a GPU, ``helpers.cuda_step.gpu_sdpa_kernel`` asks torch instead.
+    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask; flash runs from sm80 on. On sm90 and
+    sm100 PyTorch prefers cuDNN (read in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority order;
+    measured on the H200 with torch 2.11: bf16 picked cuDNN). Everything else takes the memory-efficient kernel.
+    On a GPU, ``helpers.cuda_step.gpu_sdpa_kernel`` asks torch instead.
     """
-    major = capability[0]
     if not half or masked:
         return "memory-efficient"
-    if major >= 9:
+    if tuple(capability) in ((9, 0), (10, 0)):
         return "cuDNN"
-    if major == 8:
+    if capability[0] >= 8:
         return "flash"
     return "memory-efficient"
 

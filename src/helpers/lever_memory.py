@@ -136,14 +136,15 @@ def predicted_step(config, batch_size: int, seq_len: int, *, accumulation: int =
 
 
 def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVERS, seed: int = 0) -> dict[str, dict]:
-    """For each lever: the bundled model's predicted and tracked peak (bytes by category) and seconds per step on
-    this machine's CPU, at the same global batch of ``batch_size`` examples of ``seq_len`` tokens."""
-    config = memtrace.bundled_config()
+    """For each lever: the predicted and tracked peak (bytes by category) and seconds per step on this machine's
+    CPU of the model ``Net`` loads (the bundled one unless BERT_MODEL names another), at the same global batch of
+    ``batch_size`` examples of ``seq_len`` tokens. The prediction traces that model's own config."""
     rows = {}
     for name, options in levers.items():
         accumulation, amp = options.get("accumulation", 1), options.get("amp")
         torch.manual_seed(seed)
         net = Net(pooler=False)
+        config = net.bert.config
         if options.get("checkpointing"):
             enable_checkpointing(net)
         optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)  # as memtrace traces it

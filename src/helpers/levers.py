@@ -26,7 +26,7 @@ def amp_dtype(choice: str | None) -> torch.dtype | None:
 def amp_problem(choice: str | None, device: torch.device) -> str | None:
     """Why ``--amp choice`` cannot run on ``device``, or None. CPUs compute bf16 in any case (torch converts where
     the CPU has no bf16 instructions); a CUDA GPU needs bf16 support (compute capability 8.0 or later)."""
-    if choice is None or device.type != "cuda" or torch.cuda.is_bf16_supported():
+    if choice is None or device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False):
         return None
     name = torch.cuda.get_device_name(device)
     major, minor = torch.cuda.get_device_capability(device)

@@ -97,7 +97,8 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
     - single: the traced step on one GPU.
     - dataparallel: GPU 0 runs the master model on its B/N share, so it holds what one device holds at B/N
       (weights, gradients reduced onto it, Adam state); every other GPU holds a fresh replica of the weights,
-      the activations of its B/N share and, at the end of backward, the replica's gradients, but no Adam state.
+      the activations of its B/N share and, at the end of backward, the replica's gradients, but no Adam state
+      and, with accumulation, none of the earlier micro-batches' gradients (they were added into GPU 0's ``.grad``).
       A model of DataParallel's mechanics, not a trace of it.
     - ddp: every GPU runs a full copy at B/N with its own Adam state, plus gradient buckets of the size of the
       parameters DDP reduces (all but the pooler, which the project drops for DDP: ``Net(pooler=False)``); with
@@ -123,6 +124,8 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
     if strategy == "dataparallel":
         backward = _parts(step.backward_peak)
         replica_compute = backward | {"optimizer": 0}
+        if accumulation > 1:  # earlier micro-batches' gradients went into GPU 0's .grad: a replica holds none of them
+            replica_compute["gradients"] = max(0, backward["gradients"] - step.optimizer_peak["gradients"])
         replica_grads = dict.fromkeys(backward, 0) | {"weights": backward["weights"], "workspaces": backward["workspaces"],
                                                       "gradients": step.optimizer_peak["gradients"]}
         replica = max(replica_compute, replica_grads, key=lambda parts: sum(parts.values()))
@@ -379,8 +382,9 @@ def report(args, config, source: str, gpu: GpuModel, capacity: int, assumed: str
     count = parameter_bytes(config) // 4
     kernel = attention_kernel(gpu, args.amp == "bf16") if args.attention == "sdpa" else "eager"
     micro = args.batch_size // args.gpus // args.accumulation
-    amp_words = "fp32" if args.amp == "none" else (
-        "bf16 mixed precision (MixedPrecisionPolicy)" if args.strategy == "fsdp2" else "bf16 autocast")
+    amp_words = "fp32" if args.amp == "none" else (  # helpers.finetune --strategy fsdp --amp bf16 runs autocast too
+        "bf16 mixed precision (MixedPrecisionPolicy only, without autocast)" if args.strategy == "fsdp2"
+        else "bf16 autocast")
     lines = [f"model {args.model} ({source}): {count / 1e6:,.1f} M parameters, hidden {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, vocab {config.vocab_size}",
              f"{args.strategy} on {args.gpus} x {gpu.name}{assumed} ({gpu.sm}, {capacity / 2**30:.1f} GiB each), batch "

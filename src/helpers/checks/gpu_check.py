@@ -146,7 +146,7 @@ def check_memory(cases: list[MemoryCase] | None = None):
     """Yield the memory lines: first the kernels and workspaces of this GPU, then one line per case and GPU."""
     config = bert_base_config()
     gpu = this_gpu(0)
-    bf16 = torch.cuda.is_bf16_supported()
+    bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # not emulated bf16 (V100, T4)
     held = workspaces(gpu.capability, os.environ)
     yield True, ("info " + gpu.name + f" ({gpu.sm}, {gpu.sm_count} SMs); attention (sdpa, unmasked): "
                  + ", ".join(f"{'bf16' if amp else 'fp32'} -> {gpu.kernels[amp]} (by compute capability: "
@@ -283,7 +283,7 @@ def gpu_checks(gpus: int, scratch: Path, notebooks: str | None) -> dict[str, cal
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m helpers.checks.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m helpers.checks.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-notebooks", action="store_true", help="do not execute the notebooks")
     parser.add_argument("--notebooks", default="*", metavar="GLOB",
                         help='execute only the notebooks whose path under notebooks/ matches, e.g. "08*" or "solutions/*"')
