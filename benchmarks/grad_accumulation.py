@@ -88,7 +88,6 @@ def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 3
     seconds per step by loop, and the all-reduce traffic of one step of each loop."""
     args = argparse.Namespace(windows=windows, steps=steps, global_batch=global_batch, micro_batches=micro_batches,
                               seq_len=seq_len)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = {"seconds": {loop: [] for loop in LOOPS}, "settings": vars(args)}
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:

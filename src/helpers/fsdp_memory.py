@@ -84,7 +84,9 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
     the root); ``mixed_precision`` computes in bfloat16 (``MixedPrecisionPolicy``; fp32 weights, gradients
     reduced in fp32). Attention is traced as the CUDA SDPA kernel, as in helpers.memory's default; the
     recomputation of ``checkpointing`` runs under the same kernels. A warm-up step on a small batch creates
-    Adam's state first.
+    Adam's state first. FakeTensorMode's dispatch cache is shared by the whole process, and a 2-layer
+    checkpointed model held one more hidden state at its peak when traced with it empty than after another
+    trace; it is emptied first, so that a trace does not depend on what the process traced before.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -97,6 +99,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
         return _traces[key]
     options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed_precision else {}
     generator = torch.Generator().manual_seed(seed)
+    FakeTensorMode.cache_clear()
     with fake_process_group(world_size) as mesh:
         model = shard(build_model(config, "sdpa", checkpointing), mesh, **options)
         with FakeTensorMode(allow_non_fake_inputs=True):
