@@ -12,14 +12,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import common
+from helpers.checks.notebook_env import NOTEBOOK_ENV, lessons_then_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-from helpers.checks.notebook_env import NOTEBOOK_ENV  # noqa: E402  (the environment `make test` uses)
-
-
-def notebooks(pattern: str = "*.ipynb") -> list[Path]:
-    return sorted((ROOT / "notebooks").glob(pattern)) + sorted((ROOT / "notebooks/solutions").glob(pattern))
 
 
 def cell_seconds(junit_xml: Path) -> float:
@@ -28,7 +23,7 @@ def cell_seconds(junit_xml: Path) -> float:
 
 
 def run(repeats: int = 1, pattern: str = "*.ipynb") -> dict:
-    names = [str(nb.relative_to(ROOT)) for nb in notebooks(pattern)]
+    names = [str(nb.relative_to(ROOT)) for nb in lessons_then_solutions(ROOT / "notebooks") if nb.match(pattern)]
     wall, cells = ({name: [] for name in names} for _ in range(2))
     failed = []
     with tempfile.TemporaryDirectory() as scratch:

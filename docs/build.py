@@ -22,6 +22,7 @@ from pathlib import Path
 from sphinx.cmd.build import build_main
 
 from helpers.checks import gpu_runs
+from helpers.checks.notebook_env import lessons_then_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -44,7 +45,7 @@ class Page:
 
 def notebooks(root: Path = ROOT) -> list[Path]:
     """Every notebook and solution the site shows, in learning order."""
-    return sorted((root / "notebooks").glob("*.ipynb")) + sorted((root / "notebooks/solutions").glob("*.ipynb"))
+    return lessons_then_solutions(root / "notebooks")
 
 
 def describe(notebook: Path, root: Path = ROOT) -> Page:

@@ -79,12 +79,14 @@ def lab(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env.update(JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
     lab_args = (f"--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port} --ServerApp.port_retries=0 "
-                f"--IdentityProvider.token={token} --LabApp.expose_app_in_browser=True")
+                f"--IdentityProvider.token={token} --LabApp.expose_app_in_browser=True "
+                f"--FileCheckpoints.root_dir={home / 'checkpoints'}")  # JupyterLab's copies, not beside the notebooks
     log = (home / "lab.log").open("w")
     process = subprocess.Popen(["make", "--no-print-directory", "lab", f"LAB_ARGS={lab_args}"], cwd=ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     before = {nb: hashlib.sha256(nb.read_bytes()).hexdigest() for nb in (ROOT / "notebooks").glob("*.ipynb")}
+    files_before = set((ROOT / "notebooks").rglob("*"))
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -101,6 +103,8 @@ def lab(tmp_path_factory):
         log.close()
     after = {nb: hashlib.sha256(nb.read_bytes()).hexdigest() for nb in before}
     assert after == before, "the browser test changed a committed notebook"
+    left = sorted(str(path.relative_to(ROOT)) for path in set((ROOT / "notebooks").rglob("*")) - files_before)
+    assert not left, f"the browser test left files beside the notebooks: {left}"
 
 
 @pytest.fixture(scope="module")

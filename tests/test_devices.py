@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from helpers.devices import available_device_ids, has_gpus
+from helpers.checks.notebook_env import lessons_then_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def code_cells(notebook: Path):
             yield index, re.sub(r"#.*", "", "".join(cell["source"]))  # comments may quote the memo
 
 
-@pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("**/*.ipynb")), ids=lambda path: path.name)
+@pytest.mark.parametrize("notebook", lessons_then_solutions(ROOT / "notebooks"), ids=lambda path: path.name)
 def test_a_literal_list_of_gpus_runs_only_where_it_cannot_stop_a_one_gpu_reader(notebook):
     """The memo's device_ids=[0, 1] stops a one-GPU machine; a cell may show it only inside a try that reports the
     AssertionError, or behind has_gpus(n). Every other cell wraps with the machine's own DEVICE_IDS."""

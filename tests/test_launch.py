@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.checks.notebook_env import lessons_then_solutions
 from helpers.launch import LaunchFailed, plan_launch, why_it_failed
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted(ROOT.glob("notebooks/**/*.ipynb"))
+NOTEBOOKS = lessons_then_solutions(ROOT / "notebooks")
 SCRIPT = ROOT / "examples" / "ddp_minimal.py"
 
 

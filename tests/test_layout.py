@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.checks.notebook_env import lessons_then_solutions
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "helpers"
 SEPARATE = ("helpers.build", "helpers.checks")
@@ -36,7 +38,7 @@ def notebook_sources() -> list[str]:
     from IPython.core.inputtransformer2 import TransformerManager
 
     sources = []
-    for notebook in sorted((ROOT / "notebooks").glob("**/*.ipynb")):
+    for notebook in lessons_then_solutions(ROOT / "notebooks"):
         for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]:
             if cell["cell_type"] == "code":
                 source = "".join(cell["source"])
@@ -82,3 +84,12 @@ def test_the_makefile_reads_the_one_notebook_environment():
     run = subprocess.run(["make", "-s", "-pn", "unit"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     line = next(line for line in run.stdout.splitlines() if line.startswith("NB_ENV :="))
     assert line.split(":=", 1)[1].split() == [f"{name}={value}" for name, value in NOTEBOOK_ENV.items()]
+
+
+def test_the_series_is_the_lessons_then_their_solutions_not_jupyterlabs_copies(tmp_path):
+    for name in ("01_b.ipynb", "00_a.ipynb", "solutions/01_s.ipynb", ".ipynb_checkpoints/00_a-checkpoint.ipynb",
+                 "scratch-08/run.ipynb"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    found = [path.relative_to(tmp_path).as_posix() for path in lessons_then_solutions(tmp_path)]
+    assert found == ["00_a.ipynb", "01_b.ipynb", "solutions/01_s.ipynb"]

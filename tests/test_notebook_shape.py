@@ -4,8 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.checks.notebook_env import lessons_then_solutions
 
-NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("**/*.ipynb"))
+NOTEBOOKS = lessons_then_solutions(Path(__file__).parents[1] / "notebooks")
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.relative_to(path.parents[1]).as_posix())

@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.checks.notebook_env import lessons_then_solutions
 
-NOTEBOOKS = sorted(Path(__file__).parents[1].glob("notebooks/**/*.ipynb"))
+NOTEBOOKS = lessons_then_solutions(Path(__file__).parents[1] / "notebooks")
 MARKER = re.compile(r"^# (helpers\.[\w.]+)\n")
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from helpers.checks import gpu_runs
-from helpers.checks.notebook_env import NOTEBOOK_ENV
+from helpers.checks.notebook_env import NOTEBOOK_ENV, lessons_then_solutions
 from helpers.cuda_step import CudaPeak, measure_cuda_step
 from helpers.fsdp_memory import check_fsdp
 from helpers.gpu_facts import GpuModel, attention_kernel, sdpa_kernel, this_gpu, workspaces
@@ -164,7 +164,7 @@ def check_memory(cases: list[MemoryCase] | None = None):
 
 def series_notebooks(pattern: str = "*") -> list[Path]:
     """The lessons in order, then their solutions; only those whose path under notebooks/ matches ``pattern``."""
-    notebooks = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
+    notebooks = lessons_then_solutions(ROOT / "notebooks")
     return [path for path in notebooks if fnmatch.fnmatch(str(path.relative_to(ROOT / "notebooks")), pattern)]
 
 

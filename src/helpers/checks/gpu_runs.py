@@ -21,6 +21,8 @@ import subprocess
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from helpers.checks.notebook_env import lessons_then_solutions
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -47,8 +49,7 @@ class GpuRun:
     def notebooks(self) -> dict[str, Path]:
         """Each executed notebook by its path under notebooks/, e.g. 'solutions/05_solutions.ipynb'."""
         folder = self.folder / "notebooks"
-        found = sorted(folder.glob("*.ipynb")) + sorted(folder.glob("solutions/*.ipynb"))
-        return {path.relative_to(folder).as_posix(): path for path in found}
+        return {path.relative_to(folder).as_posix(): path for path in lessons_then_solutions(folder)}
 
     def notebook(self, relative: str) -> dict | None:
         """The executed notebook at ``relative`` (a path under notebooks/) as JSON, or None if the run lacks it."""
@@ -105,7 +106,7 @@ def write(folder: Path, executed: Path, metadata: dict) -> GpuRun:
     folder = Path(folder)
     check_metadata(metadata, "run metadata")
     shutil.rmtree(folder / "notebooks", ignore_errors=True)
-    for path in sorted(executed.glob("*.ipynb")) + sorted(executed.glob("solutions/*.ipynb")):
+    for path in lessons_then_solutions(executed):
         notebook = json.loads(path.read_text(encoding="utf-8"))
         for cell in notebook["cells"]:
             cell.get("metadata", {}).pop("execution", None)
