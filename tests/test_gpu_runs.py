@@ -125,3 +125,20 @@ def test_gpu_check_keep_leaves_the_executed_notebooks_as_a_run_folder(executed, 
     assert list(run.notebooks()) == ["00_setup.ipynb", "solutions/05_solutions.ipynb"]
     assert run.note == "make gpu-check --keep"
     assert f"executed notebooks for the site: {run.folder}" in capsys.readouterr().out
+
+
+def test_a_written_run_keeps_code_cells_and_leaves_out_what_failed(tmp_path):
+    """A page shows the stored notebook's prose and never a traceback from a cell not meant to raise (it would
+    show that machine's paths); a cell tagged raises-exception keeps its error."""
+    error = {"output_type": "error", "ename": "RuntimeError", "evalue": "x", "traceback": ["/opt/venv/x.py"]}
+    printed = {"output_type": "stream", "name": "stdout", "text": "before the error\n"}
+    cells = [{"cell_type": "markdown", "id": "m", "metadata": {}, "source": "# 00 on that machine"},
+             {"cell_type": "code", "execution_count": 1, "id": "a", "metadata": {}, "source": "fail()",
+              "outputs": [printed, error]},
+             {"cell_type": "code", "execution_count": 2, "id": "b", "metadata": {"tags": ["raises-exception"]},
+              "source": "net.bert", "outputs": [error]}]
+    notebook = tmp_path / "executed/00_setup.ipynb"
+    notebook.parent.mkdir()
+    notebook.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    kept = gpu_runs.write(tmp_path / "run", notebook.parent, H200).notebook("00_setup.ipynb")["cells"]
+    assert [(cell["id"], cell["outputs"]) for cell in kept] == [("a", []), ("b", [error])]

@@ -25,6 +25,8 @@ from pathlib import Path
 from docutils import nodes
 from sphinx.transforms.post_transforms import SphinxPostTransform
 
+from helpers.checks.gpu_runs import raised_unexpectedly
+
 CPU_LABEL = "CPU（保存済み）"
 MARKER = re.compile(r"<!-- gpu-outputs: (tab|end)(?: (.*))? -->")
 CSS = Path(__file__).with_name("gpu_outputs.css")
@@ -77,10 +79,7 @@ def gpu_outputs(cell: dict, run_cell: dict) -> list[dict] | None:
         stored = [output for output in stored if not has_figure(output)]
     if not shown or [key(o) for o in shown] == [key(o) for o in stored]:
         return None
-    raises = "raises-exception" in cell.get("metadata", {}).get("tags", [])
-    if not raises and any(output["output_type"] == "error" for output in shown):
-        return None
-    return shown
+    return None if raised_unexpectedly(cell, shown) else shown
 
 
 def pair(current: list[str], run: list[str]) -> dict[int, tuple[int, bool]]:

@@ -3,7 +3,9 @@
 One folder per run, e.g. ``docs/gpu-runs/2026-12-04-h200/``::
 
     run.json     machine, GPU names (one per GPU), torch, CUDA, driver, Python, date, the project commit, a note
-    notebooks/   the executed notebooks at their paths under notebooks/ (solutions/ included), nothing else
+    notebooks/   the executed notebooks at their paths under notebooks/ (solutions/ included), nothing else:
+                 their code cells and outputs (a page shows the stored notebook's prose), without the output of a
+                 cell that failed (its traceback holds that machine's paths, and no page shows it)
 
 ``make gpu-check GPU_CHECK_ARGS="--keep DIR"`` writes one under DIR/gpu-runs/; ``make docs`` shows the outputs of
 every folder in docs/gpu-runs/ beside the stored ones. Reading a folder needs neither torch nor a GPU.
@@ -100,16 +102,26 @@ def read(folder: Path) -> GpuRun:
     return run
 
 
+def raised_unexpectedly(cell: dict, outputs: list[dict]) -> bool:
+    """Whether ``outputs`` hold an error though ``cell`` is not meant to raise (no ``raises-exception`` tag)."""
+    return ("raises-exception" not in cell.get("metadata", {}).get("tags", [])
+            and any(output["output_type"] == "error" for output in outputs))
+
+
 def write(folder: Path, executed: Path, metadata: dict) -> GpuRun:
-    """Write a run folder from the notebooks executed into ``executed`` (same layout as notebooks/): their cells
-    and outputs, without per-cell execution timestamps or anything else found there (data, checkpoints, logs)."""
+    """Write a run folder from the notebooks executed into ``executed`` (same layout as notebooks/): their code
+    cells and outputs, without per-cell execution timestamps, the outputs of cells that raised unexpectedly, or
+    anything else found there (data, checkpoints, logs)."""
     folder = Path(folder)
     check_metadata(metadata, "run metadata")
     shutil.rmtree(folder / "notebooks", ignore_errors=True)
     for path in lessons_then_solutions(executed):
         notebook = json.loads(path.read_text(encoding="utf-8"))
+        notebook["cells"] = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
         for cell in notebook["cells"]:
             cell.get("metadata", {}).pop("execution", None)
+            if raised_unexpectedly(cell, cell["outputs"]):
+                cell["outputs"] = []
         target = folder / "notebooks" / path.relative_to(executed)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(notebook, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
