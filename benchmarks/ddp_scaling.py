@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -76,16 +75,10 @@ def worker(rank: int, world_size: int, threads: int, port: int, args: argparse.N
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world_size: int, threads: int, args: argparse.Namespace) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rates")
-        mp.spawn(worker, args=(world_size, threads, free_port(), args, out), nprocs=world_size)
+        mp.spawn(worker, args=(world_size, threads, common.free_port(), args, out), nprocs=world_size)
         return [float(x) for x in Path(out).read_text().split()]
 
 

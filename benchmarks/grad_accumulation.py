@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (sets the quiet, offline environment before transformers is imported)
+import common  # first: it sets the quiet, offline environment before transformers is imported
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -76,12 +75,6 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 32, micro_batches: int = 4,
         seq_len: int = 64) -> dict:
     """``rounds`` launches of 2 processes; per launch, ``windows`` timed windows of each loop. Returns every window's
@@ -92,7 +85,7 @@ def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 3
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(worker, args=(2, free_port(), args, out), nprocs=2)
+            mp.spawn(worker, args=(2, common.free_port(), args, out), nprocs=2)
             launch = json.loads(Path(out).read_text())
         for loop in LOOPS:
             result["seconds"][loop] += launch["seconds"][loop]
