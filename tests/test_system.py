@@ -1,18 +1,28 @@
 """What the machine offers: versions, and NVML's answer with or without a driver."""
 
+import platform
+import re
 from importlib.metadata import PackageNotFoundError
+from pathlib import Path
 
 import pynvml
 import pytest
 import torch
+import transformers
 
-from helpers.system import device_summary, japanese_fonts, library_versions, nvml_status, shows_japanese
+from helpers.system import LIBRARIES, device_summary, japanese_fonts, library_versions, nvml_status, shows_japanese
+
+REQUIREMENTS = Path(__file__).parents[1] / "requirements.txt"
 
 
-def test_versions_name_the_series_libraries():
+def test_versions_are_the_imported_libraries_and_their_pins():
+    """What the summary reports against what the libraries say of themselves and what requirements.txt pins."""
     versions = library_versions()
-    assert {"python", "torch", "transformers", "fugashi", "unidic-lite", "ipadic", "nvidia-ml-py"} <= set(versions)
-    assert versions["torch"].startswith("2.13.0")
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)$", REQUIREMENTS.read_text(encoding="utf-8"), re.MULTILINE))
+    assert list(versions) == ["python", *LIBRARIES]
+    assert versions["python"] == platform.python_version()
+    assert (versions["torch"], versions["transformers"]) == (torch.__version__, transformers.__version__)
+    assert {name: versions[name].split("+")[0] for name in LIBRARIES} == {name: pins[name] for name in LIBRARIES}
 
 
 def test_a_library_without_package_metadata_is_reported_not_raised(monkeypatch):
@@ -60,12 +70,17 @@ def test_device_summary_describes_the_machine_it_is_given(monkeypatch):
                                 "cuda_devices": ["Fake GPU 0", "Fake GPU 1"], "nvml": "available (driver 580.65, 2 GPUs)"}
 
 
-def test_this_torch_build_sees_no_gpu_where_it_has_no_cuda():
-    """The other side: the CPU wheel (no CUDA compiled in) lists no device, whatever the machine has."""
+def test_a_cpu_build_of_torch_sees_no_gpu_even_where_nvml_counts_two(monkeypatch):
+    """The other side: the CPU wheel (no CUDA compiled in) lists no device, whatever the machine has; here the
+    driver (NVML, made up) counts 2 GPUs and the summary still shows torch's own answer beside it."""
     if torch.version.cuda is not None:
         pytest.skip("this torch is a CUDA build")
+    for name, value in (("nvmlInit", None), ("nvmlShutdown", None), ("nvmlSystemGetDriverVersion", "580.65"),
+                        ("nvmlDeviceGetCount", 2)):
+        monkeypatch.setattr(pynvml, name, lambda value=value: value)
     summary = device_summary()
     assert (summary["cuda_available"], summary["cuda_devices"]) == (False, [])
+    assert summary["nvml"] == "available (driver 580.65, 2 GPUs)"
 
 
 def test_a_latin_font_cannot_show_japanese(tmp_path):
