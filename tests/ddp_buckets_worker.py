@@ -4,12 +4,13 @@ starts fresh interpreters that import the function by name."""
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
-from helpers.memtrace import NetFromConfig, bundled_config
+from helpers.memory.configs import bundled_config
+from helpers.memory.torch_private import mem_tracker
+from helpers.memory.tracer import NetFromConfig
 
 
-def held(tracker: MemTracker) -> int:
+def held(tracker) -> int:
     return sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("current").values())
 
 
@@ -23,7 +24,7 @@ def measure_ddp(rank: int, world_size: int, rendezvous: str, results) -> None:
             torch.manual_seed(0)
             model = NetFromConfig(config)
             model.bert.pooler = None  # Net does not use the pooler; DDP stops on parameters without a gradient
-            tracker = MemTracker()
+            tracker = mem_tracker()()
             tracker.track_external(model)
             before = held(tracker)
             with tracker:

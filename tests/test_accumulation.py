@@ -21,7 +21,7 @@ from helpers.accumulation import CollectiveCounter, accumulate_naively, compare_
 from helpers.checkpoint import CheckpointError, Progress
 from helpers.data import PadToLongest, load_split, make_loader
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
-from helpers.finetune import last_json
+from helpers.launch import last_json
 from helpers.lever_checks import compare_checkpointing
 from helpers.models import load_tokenizer
 from helpers.net import Net

@@ -1,11 +1,11 @@
-"""The caching allocator replayed in Python (helpers.allocator) against its rules and against a real CUDA step:
+"""The caching allocator replayed in Python (helpers.memory.allocator) against its rules and against a real CUDA step:
 every allocation of the H200 snapshot lands at the address the real allocator gave it."""
 
 import gzip
 import pickle
 from pathlib import Path
 
-from helpers.allocator import MIN_BLOCK, Block, CachingAllocator, round_size, segment_size
+from helpers.memory.allocator import MIN_BLOCK, CachingAllocator, round_size, segment_size
 
 SNAPSHOT = Path(__file__).parent / "fixtures" / "h200-snapshot-b8-l512-fp32.pickle.gz"
 MIB = 2**20
@@ -39,6 +39,24 @@ def test_small_requests_share_2_mib_segments_and_freed_blocks_merge():
     assert allocator.reserved == 2 * MIB + 20 * MIB  # too big for the small pool: a large segment
 
 
+def test_a_freed_block_of_an_existing_segment_merges_with_its_free_neighbours():
+    """A segment rebuilt from a snapshot, 20 MiB with two held blocks: freeing them joins the free parts around
+    them, until the whole segment is one block again that serves a 20 MiB request without a new segment."""
+    allocator = CachingAllocator(new_segment=lambda size: 0)  # address 0: a new segment would be seen
+    base = 1 << 40
+    allocator.add_segment(base, 20 * MIB, small=False, held=[("a", base + 2 * MIB, 4 * MIB, 4 * MIB - 100),
+                                                              ("b", base + 6 * MIB, 3 * MIB, 3 * MIB)])
+    assert (allocator.allocated, allocator.requested, allocator.reserved) == (7 * MIB, 7 * MIB - 100, 20 * MIB)
+    assert allocator.malloc("c", 11 * MIB).address == base + 9 * MIB  # the free part after "b", taken whole
+    allocator.free("c")
+    allocator.free("a")  # joins the 2 MiB before it, not "b"
+    assert allocator.malloc("d", 6 * MIB).address == base
+    allocator.free("d")
+    allocator.free("b")  # now every part is free: one block of the whole segment
+    whole = allocator.malloc("e", 20 * MIB)
+    assert (whole.address, whole.size, allocator.reserved) == (base, 20 * MIB, 20 * MIB)
+
+
 def replay_snapshot():
     """Rebuild the allocator's state when recording began (segments, and the blocks still held at the end that
     were allocated before), then replay every allocation and free of the recording."""
@@ -51,8 +69,8 @@ def replay_snapshot():
     for segment in data["segments"]:
         if segment["address"] not in created:
             initial[segment["address"]] = (segment["total_size"], [
-                (block["address"], block["size"], block["requested_size"]) for block in segment["blocks"]
-                if block["state"] == "active_allocated" and not block["frames"]])
+                (block["address"], block["address"], block["size"], block["requested_size"])
+                for block in segment["blocks"] if block["state"] == "active_allocated" and not block["frames"]])
     new_segments = [(event["addr"], event["size"]) for event in trace if event["action"] == "segment_alloc"]
 
     def new_segment(size):
@@ -62,19 +80,7 @@ def replay_snapshot():
 
     allocator = CachingAllocator(new_segment)
     for address, (size, held) in initial.items():
-        allocator.add_segment(address, size, small=size == 2 * MIB)
-        for block_address, block_size, requested in held:
-            free = next(block for _, _, block in allocator._pools[size == 2 * MIB]
-                        if block.address <= block_address < block.address + block.size)
-            allocator._remove(free)
-            before = Block(free.address, block_address - free.address, free.small)
-            after = Block(block_address + block_size, free.address + free.size - block_address - block_size, free.small)
-            for part in (before, after):
-                if part.size:
-                    allocator._insert(part)
-            allocator._live[("held", block_address)] = Block(block_address, block_size, free.small, False, requested)
-            allocator.allocated += block_size
-            allocator.requested += requested
+        allocator.add_segment(address, size, small=size == 2 * MIB, held=held)
     measured_step = data["external_annotations"][3]["time_us"]
     misplaced, reset = 0, False
     for event in trace:

@@ -18,7 +18,8 @@ from helpers.checkpoint import Checkpoints, Progress, load_checkpoint, weights_d
 from helpers.checks.training_checks import EQUIVALENCE_RUN, finetune_command, judge_ddp_equivalence
 from helpers.data import PadToLongest, load_split
 from helpers.distributed import device_problem
-from helpers.finetune import find_problem, last_json, parse_args, use_deterministic_algorithms
+from helpers.finetune import find_problem, parse_args, use_deterministic_algorithms
+from helpers.launch import last_json
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.train import evaluate

@@ -23,7 +23,8 @@ from helpers.checkpoint import (STATE_FILE, CheckpointError, Checkpoints, full_w
                                 state_dicts_equal)
 from helpers.checkpoint_files import SHARDED_DIR
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
-from helpers.finetune import last_json, main, parse_args
+from helpers.finetune import main, parse_args
+from helpers.launch import last_json
 from helpers.net import Net
 from helpers.optim import ParamGroupError, audit_param_groups, two_lr_adam
 

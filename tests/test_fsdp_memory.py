@@ -1,37 +1,51 @@
 """FSDP memory predictions: the stored table is what the tracker computes now, the layer extrapolation equals a
 trace, FSDP shards what it should, and the GPU check says why it skips on a machine without 2 GPUs."""
 
+import contextlib
+
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointError
 
-from helpers.fsdp_memory import (GIB, LEVERS, MODELS, bert_base_config, check_fsdp, fsdp_categories, load_table,
-                                 parameters, predict_fsdp, trace_fsdp)
-from helpers.gpu_facts import GPUS, workspaces
+from helpers.checks.gpu_check import check_fsdp
+from helpers.memory import (GIB, GPUS, MODELS, activation_formula, bert_base_config, fsdp_categories, load_table,
+                            per_device, parameters, predict_fsdp, trace_fsdp, workspaces)
+from helpers.memory.fsdp2 import LEVERS
+from helpers.memory.kernels import CudaLikeKernels
+from helpers.memory.torch_private import FakeTensorMode
 
 
 def test_stored_table_equals_a_fresh_prediction():
     """Drift: the stored file against its generator."""
-    assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict_fsdp(bert_base_config(), 8, 512, 2)
+    assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict_fsdp(bert_base_config(), 8, 512, 2, environ={})
 
 
 def test_extrapolation_from_three_and_four_layers_equals_the_trace_of_five():
     five = bert_base_config(num_hidden_layers=5)
     held = sum(workspaces(GPUS["H200"].capability, {}).values())
-    assert predict_fsdp(five, 8, 512, 2) == fsdp_categories(trace_fsdp(five, 8, 512, 2), held=held)
+    assert predict_fsdp(five, 8, 512, 2, environ={}) == fsdp_categories(trace_fsdp(five, 8, 512, 2), held=held)
 
 
-def test_checkpointing_recomputes_each_layer_as_its_forward_ran():
+def test_checkpointing_keeps_each_layers_input_and_recomputes_under_the_forwards_kernels(monkeypatch):
+    """With activation checkpointing the activations at the peak stay within what it keeps by the closed form (what
+    lies outside the layers, and each layer's input: B x L x hidden fp32), while without it they exceed that. The
+    recomputation in backward runs under the forward's CUDA-like kernels: PyTorch's checkpoint compares what the
+    recomputation saves with what the forward saved, and refuses one under the CPU's kernels (float dropout masks
+    where the forward kept 1-byte ones)."""
     small = bert_base_config(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                              vocab_size=512)  # a small vocabulary, so that activations make the peak
+    outside = activation_formula(small.__class__(**(small.to_dict() | {"num_hidden_layers": 0})), 4, 128)
+    kept_by_checkpointing = outside + small.num_hidden_layers * 4 * 128 * small.hidden_size * 4
     kept, recomputed = (trace_fsdp(small, 4, 128, 2, checkpointing=flag) for flag in (False, True))
-    assert recomputed["Activation"] < kept["Activation"] / 5
+    assert recomputed["Activation"] <= kept_by_checkpointing < kept["Activation"]
+    monkeypatch.setattr(CudaLikeKernels, "for_recomputation", classmethod(lambda cls: contextlib.nullcontext()))
+    with pytest.raises(CheckpointError, match="saved during the original forward and recomputation"):
+        trace_fsdp(small, 4, 128, 2, checkpointing=True, seed=1)  # another seed: not the trace kept above
 
 
 def test_a_trace_does_not_depend_on_what_the_process_traced_before():
     """FakeTensorMode's dispatch cache is shared by the whole process; traced cold, this checkpointed 2-layer model
     once held 1 MiB more at its peak than the same trace run second (a reader re-running a cell saw new numbers)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     small = bert_base_config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                              vocab_size=512)
     FakeTensorMode.cache_clear()
@@ -52,6 +66,16 @@ def test_table_shards_weights_and_adam_state_but_not_activations():
     assert levers["CPU offload"]["optimizer"] == 0 and levers["CPU offload"]["weights"] < 2**20  # buffers stay
     assert levers["checkpointing"]["total"] < levers["mixed precision"]["total"] < levers["none"]["total"]
     assert levers["none"]["total"] / GIB > 1
+
+
+def test_every_strategy_reads_the_workspace_variables_of_this_process(monkeypatch):
+    """Without ``environ``, FSDP2's prediction, like the others, takes the workspaces this process's environment sets
+    (here ``CUBLAS_WORKSPACE_CONFIG=:16:8``: three workspaces of 128 KiB)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    tiny = bert_base_config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                            vocab_size=512)
+    for strategy, gpus in (("single", 1), ("ddp", 2), ("fsdp2", 2)):
+        assert per_device(tiny, 4, 64, strategy=strategy, gpus=gpus, gpu=GPUS["H200"])[0]["workspaces"] == 3 * 2**17
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs: check_fsdp runs for real")

@@ -88,7 +88,7 @@ def test_each_row_is_emitted_before_the_next_check_runs():
 
 def test_a_memory_gap_names_its_causes():
     from helpers.checks.gpu_check import gap_causes, within_tolerance
-    from helpers.cuda_step import CudaPeak
+    from helpers.memory import CudaPeak
 
     mib = 2**20
     predicted = {"workspaces": 65 * mib, "total": 3814 * mib}

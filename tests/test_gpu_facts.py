@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.gpu_facts import (GPUS, cublas_workspace_size, cublaslt_workspace_size, parse_memory, reduce_buffers,
+from helpers.memory.gpu_facts import (GPUS, cublas_workspace_size, cublaslt_workspace_size, parse_memory, reduce_buffers,
                                sdpa_kernel, workspaces)
 
 SNAPSHOT = Path(__file__).parent / "fixtures" / "h200-snapshot-b8-l512-fp32.pickle.gz"
@@ -54,7 +54,7 @@ def test_the_snapshot_holds_exactly_the_predicted_workspaces():
     """The blocks of 1 MiB or more allocated before the recorded cell and still held at its end: the predicted
     workspaces (two cuBLAS, one cuBLASLt), and the bundled tiny model's word embeddings left by cell 8 (weights
     and Adam's two moments)."""
-    from helpers.memtrace import bundled_config
+    from helpers.memory.configs import bundled_config
 
     held = [block["size"] for segment in snapshot()["segments"] for block in segment["blocks"]
             if block["state"] == "active_allocated" and not block["frames"] and block["size"] >= MIB]

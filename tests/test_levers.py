@@ -1,7 +1,7 @@
 """The memory levers in helpers.finetune: --grad-accum-steps, --amp bf16 and --gradient-checkpointing train, are
 recorded, and resume bitwise after a kill between two micro-batches' optimizer steps, in one process, under
 2-process DDP and under 2-process FSDP2; bad input is named in one line; each lever's tracked memory on a real
-step is what helpers.memtrace predicts for it.
+step is what helpers.memory predicts for it.
 
 Each kill-and-resume applies all three levers at once: one killed run, its resumption and an uninterrupted run
 per strategy (the one-process runs after the kill run in this process, which saves two interpreter starts).
@@ -21,8 +21,9 @@ from helpers import levers
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
 from helpers.checks.training_checks import finetune_command, kill_and_resume
 from helpers.finetune import find_problem, main, parse_args
-from helpers.lever_memory import LEVERS, predicted_step, random_batches, tracked_step
-from helpers.memtrace import bundled_config
+from helpers.lever_memory import LEVERS, random_batches, tracked_step
+from helpers.memory import predict_cpu_step
+from helpers.memory.configs import bundled_config
 from helpers.net import Net
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
@@ -138,9 +139,9 @@ def memory():
         if options.get("checkpointing"):
             levers.enable_checkpointing(net)
         optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)
-        rows[name] = {"predicted": predicted_step(config, 16, 64, accumulation=accumulation,
-                                                  checkpointing=bool(options.get("checkpointing")),
-                                                  amp=options.get("amp")),
+        rows[name] = {"predicted": predict_cpu_step(config, 16, 64, accumulation=accumulation,
+                                                    checkpointing=bool(options.get("checkpointing")),
+                                                    amp=options.get("amp")),
                       "tracked": tracked_step(net, optimizer, random_batches(config.vocab_size, 16, 64, accumulation),
                                               options.get("amp"))}
     return rows

@@ -16,9 +16,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from ddp_buckets_worker import measure_ddp
-from helpers.gpu_facts import GPUS, workspaces
-from helpers.memory import activation_formula, h200_steps, parameter_bytes, per_device, predict_step
-from helpers.memtrace import CudaLikeKernels, bert_base_config, build_model, bundled_config, trace_fake, trace_step
+from helpers.memory import (GPUS, activation_formula, bert_base_config, h200_steps, parameter_bytes, per_device,
+                            predict_step, trace_fake, workspaces)
+from helpers.memory.configs import bundled_config
+from helpers.memory.kernels import CudaLikeKernels
+from helpers.memory.tracer import build_model, trace_step
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIB = 2**20
@@ -30,8 +32,20 @@ def agreement(a: int, b: int) -> float:
 
 
 def test_the_h200_record_is_read_as_printed():
+    """Every setting of the grid once, each matching its printed line; two of them worked out by hand from their
+    lines: the measured GiB +- 0.005, intersected with the prediction of then x (1 + the gap +- 0.05 %)."""
     settings = h200_steps()
-    assert len(settings) == 24 and all(setting["low"] < setting["high"] for setting in settings)
+    grid = {(attention, amp, batch, length) for attention in ("sdpa", "eager") for amp in (False, True)
+            for batch in (8, 16, 32) for length in (128, 512)}
+    assert {(s["attention"], s["amp"], s["batch_size"], s["seq_len"]) for s in settings} == grid and len(settings) == 24
+    # "1 GPU, memory-efficient, fp32, B=8, L=128 ... measured 2.13 GiB  gap +4.0%", predicted then 2,202,937,156 B:
+    # low = max(2.125 GiB, 2,202,937,156 x 1.0395), high = min(2.135 GiB, 2,202,937,156 x 1.0405)
+    assert settings[0] == dict(attention="sdpa", amp=False, batch_size=8, seq_len=128, low=2_289_953_173,
+                               high=2_292_156_110, then=2_202_937_156)
+    # "1 GPU, eager, bf16, B=32, L=512 ... measured 15.93 GiB  gap +0.7%", predicted then 16,985,591,604 B: here
+    # the printed GiB bound both ends (15.925 and 15.935 GiB); the gap's (x 1.0065, x 1.0075) lie outside them
+    assert settings[-1] == dict(attention="eager", amp=True, batch_size=32, seq_len=512, low=17_099_338_547,
+                                high=17_110_075_965, then=16_985_591_604)
     assert all(setting["high"] - setting["low"] < 10.3 * MIB for setting in settings)
 
 
@@ -159,24 +173,45 @@ def test_ddp_buckets_in_a_real_two_process_run_match_the_prediction():
             assert (gradients < 1e-3 * buckets) if bucket_view else agreement(gradients, buckets) < 1e-3
 
 
-def test_dataparallel_gpu0_carries_the_adam_state_and_ddp_the_buckets():
-    """Against counts of the model's own parameters: GPU 0 - GPU 1 under DataParallel is Adam's two moments of
-    every parameter that gets a gradient (all but the pooler), and a DDP rank adds buckets of those parameters."""
+def test_model_dataparallel_and_ddp_add_what_their_mechanics_say():
+    """A consistency check of the per-device model, not a measurement (DataParallel cannot run on a CPU; DDP's
+    buckets are measured in a real run above). Against the model's own parameters, counted: category by category,
+    GPU 0 holds what a DataParallel replica holds plus Adam's two moments of every parameter that gets a gradient
+    (all but the pooler), 8 bytes each; a DDP rank holds the one-GPU step at its per-rank batch plus gradient
+    buckets of those parameters, 4 bytes each."""
     config = bert_base_config()
     trained = sum(p.numel() for name, p in build_model(config).named_parameters() if ".pooler." not in name)
     gpu0, gpu1 = per_device(config, 64, 512, strategy="dataparallel", gpus=2, gpu=H200, environ={})
-    assert gpu0["total"] - gpu1["total"] == 8 * trained
+    assert {name: gpu0[name] - gpu1[name] for name in gpu0} == dict.fromkeys(gpu0, 0) | {
+        "optimizer": 8 * trained, "total": 8 * trained}
     (single,) = per_device(config, 32, 512, gpu=H200, environ={})
     for rank in per_device(config, 64, 512, strategy="ddp", gpus=2, gpu=H200, environ={}):
-        assert rank["total"] - single["total"] == 4 * trained
+        assert rank == single | {"buckets": 4 * trained, "total": single["total"] + 4 * trained}
 
 
-def test_levers_lower_the_peak():
+def test_each_lever_keeps_for_backward_what_its_closed_form_says():
+    """What the traced step holds when backward starts, against counts from the config alone (the closed form,
+    itself checked against MemTracker above): gradient accumulation keeps one micro-batch's activations; activation
+    checkpointing keeps, besides what lies outside the layers, only each layer's input (B x L x hidden fp32);
+    eager attention keeps the L x L probabilities too. bf16 autocast keeps the weights and Adam's state in fp32 and
+    fewer activations. Each lever but eager lowers the peak."""
     config = bert_base_config()
-    base = per_device(config, 32, 512, gpu=H200, environ={})[0]
+    outside = activation_formula(config.__class__(**(config.to_dict() | {"num_hidden_layers": 0})), 32, 512)
+    layer_inputs = config.num_hidden_layers * 32 * 512 * config.hidden_size * 4
+
+    def step(**lever):
+        return predict_step(config, 32, 512, gpu=H200, environ={}, **lever)
+
+    base = step()
+    assert step(accumulation=2).after_forward["activations"] == activation_formula(config, 16, 512)
+    assert step(checkpointing=True).after_forward["activations"] == outside + layer_inputs
+    assert step(attention="eager").after_forward["activations"] == activation_formula(config, 32, 512,
+                                                                                      attention="eager")
+    amp = step(amp=True).after_forward
+    assert (amp["weights"], amp["optimizer"]) == (base.after_forward["weights"], base.after_forward["optimizer"])
+    assert amp["activations"] < base.after_forward["activations"]
     for lever in (dict(accumulation=2), dict(checkpointing=True), dict(amp=True)):
-        assert per_device(config, 32, 512, gpu=H200, environ={}, **lever)[0]["total"] < base["total"], lever
-    assert per_device(config, 32, 512, gpu=H200, environ={}, attention="eager")[0]["total"] > base["total"]
+        assert step(**lever).peak["total"] < base.peak["total"], lever
 
 
 def test_bad_settings_name_the_parameter():
@@ -233,13 +268,14 @@ def test_checkpointed_layers_recompute_under_the_kernels_of_their_forward():
     assert isinstance(CudaLikeKernels.for_recomputation(), contextlib.nullcontext)
 
 
-def test_a_dataparallel_replica_holds_no_gradients_of_earlier_micro_batches():
-    """DataParallel adds each replica's gradients into GPU 0's ``.grad`` at the end of its backward
-    (``Broadcast.backward``): with 2 micro-batches, GPU 0 holds the first one's gradients while the second runs,
-    GPU 1 holds none of them, so the gap between the two grows by exactly those gradients."""
+def test_model_a_dataparallel_replica_holds_no_gradients_of_earlier_micro_batches():
+    """A consistency check of the DataParallel model (DataParallel cannot run on a CPU): it adds each replica's
+    gradients into GPU 0's ``.grad`` at the end of its backward (``Broadcast.backward``). With 2 micro-batches,
+    GPU 0 holds the first one's gradients while the second runs, those of every parameter but the pooler (4 bytes
+    each, counted from the model); GPU 1 holds none of them, so the gap between the two grows by exactly those."""
     config = bundled_config()
-    (gpu0, gpu1), (gpu0_acc, gpu1_acc) = (per_device(config, 16, 64, strategy="dataparallel", gpus=2, accumulation=n)
-                                          for n in (1, 2))
-    trainable = 4 * sum(p.numel() for name, p in build_model(config).named_parameters() if "pooler" not in name)
-    assert gpu0_acc["gradients"] >= trainable and gpu1_acc["gradients"] == 0
-    assert (gpu0_acc["total"] - gpu1_acc["total"]) - (gpu0["total"] - gpu1["total"]) == gpu0_acc["gradients"]
+    (gpu0, gpu1), (gpu0_acc, gpu1_acc) = (per_device(config, 16, 64, strategy="dataparallel", gpus=2, accumulation=n,
+                                                     gpu=H200, environ={}) for n in (1, 2))
+    trained = 4 * sum(p.numel() for name, p in build_model(config).named_parameters() if ".pooler." not in name)
+    assert (gpu0_acc["gradients"], gpu1_acc["gradients"]) == (trained, 0)
+    assert (gpu0_acc["total"] - gpu1_acc["total"]) - (gpu0["total"] - gpu1["total"]) == trained

@@ -4,14 +4,16 @@ answered in one line."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers.gpu_facts import GPUS
-from helpers.memory import FITS, peak_per_gpu
-from helpers.memtrace import bundled_config
+from helpers.memory import FITS, GPUS
+from helpers.memory.configs import bundled_config
+from helpers.memory.prediction import peak_per_gpu
 from helpers.models import bundled_model_dir
 
+ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = os.environ | {"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
 
 
@@ -63,7 +65,9 @@ def test_a_config_that_is_not_bert_is_refused(tmp_path):
     assert "is not a BERT config (model_type 'gpt2'" in run.stderr
 
 
-def test_the_readme_chart_is_a_subcommand(tmp_path):
+def test_the_readme_chart_is_what_the_subcommand_draws_now(tmp_path):
+    """Drift: the chart the README shows (docs/img/per_device_memory.png, ``make memory-chart``) against a fresh one,
+    byte for byte (matplotlib and its bundled font are pinned)."""
     run = command("--chart", str(tmp_path / "chart.png"))
-    assert run.returncode == 0, run.stderr
-    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+    assert run.returncode == 0 and run.stdout == f"wrote {tmp_path / 'chart.png'}\n", run.stderr
+    assert (tmp_path / "chart.png").read_bytes() == (ROOT / "docs" / "img" / "per_device_memory.png").read_bytes()

@@ -8,21 +8,19 @@ once per micro-batch. Both loops compute the same gradients; only the traffic di
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import set_seed
 
-from helpers.equivalence import EQUIVALENCE_TOLERANCE, loss_and_backward, whole
-from helpers.fsdp import prepare, wrap
-from helpers.lever_memory import tracking
-from helpers.net import Net
-from helpers.train import accumulate, to_device
-from helpers.wrapping import is_sharded, unwrap
+from helpers.equivalence import (EQUIVALENCE_TOLERANCE, largest_difference, loss_and_backward, parallel_copy,
+                                 reference_net, share)
+from helpers.memory import tracking
+from helpers.memory.torch_private import seeing_fsdp2_collectives
+from helpers.train import accumulate
+from helpers.wrapping import is_sharded
 
 
 def accumulate_naively(model: nn.Module, batches: list[dict], loss_fn=None) -> float:
@@ -45,8 +43,8 @@ class CollectiveCounter:
 
     DDP all-reduces its gradient buckets from C++, where Python cannot see them, so a communication hook counts
     each bucket it is handed and then all-reduces it as DDP does (``allreduce_hook``); a DDP model takes one hook
-    in its life, so build one counter per model and reuse it. FSDP2 calls ``torch.distributed.reduce_scatter_single``
-    (gradients) and ``all_gather_single`` (weights) from Python; they are wrapped during the block. Bytes are
+    in its life, so build one counter per model and reuse it. FSDP2 calls its collectives from Python; they are
+    watched during the block (``helpers.memory.torch_private.seeing_fsdp2_collectives``). Bytes are
     those of the tensor handed to the collective on this process: a bucket, the full gradients to reduce-scatter,
     the full gathered weights. A group of one process: DDP still all-reduces; FSDP2 skips its collectives.
     """
@@ -55,7 +53,7 @@ class CollectiveCounter:
         self.model = model
         self.calls, self.bytes = Counter(), Counter()
         self.active = False
-        self._originals = {}
+        self._watching = ExitStack()
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model.register_comm_hook(self, count_and_all_reduce)
 
@@ -68,25 +66,12 @@ class CollectiveCounter:
         self.bytes.clear()
         self.active = True
         if is_sharded(self.model):
-            gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
-
-            def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
-                self.add("all-gather", output_tensor)
-                return gather(output_tensor, input_tensor, *args, **kwargs)
-
-            def reduce_scatter_single(output, input, *args, **kwargs):
-                self.add("reduce-scatter", input)
-                return scatter(output, input, *args, **kwargs)
-
-            self._originals = {"all_gather_single": gather, "reduce_scatter_single": scatter}
-            dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+            self._watching.enter_context(seeing_fsdp2_collectives(self.add))
         return self
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
+        self._watching.close()
 
     def summary(self) -> dict:
         return {name: {"calls": self.calls[name], "bytes": self.bytes[name]} for name in sorted(self.calls)}
@@ -113,37 +98,27 @@ def compare_accumulation(model: str | None, examples: list, collate, device: tor
 
     Each rank takes len(examples) // world_size of them (a remainder is left out), in equal micro-batches.
     """
-    ranks, me = dist.get_world_size(), dist.get_rank()
-    share = len(examples) // ranks // accumulation * accumulation
-    if share == 0:
-        raise ValueError(f"compare_accumulation: {len(examples)} examples do not fill {accumulation} micro-batches "
-                         f"on each of {ranks} process(es)")
-    examples, micro = examples[:share * ranks], share // accumulation
-    set_seed(seed)
-    one_process = Net(model, pooler=False).to(device).eval()  # eval(): no dropout
-    copies = {loop: copy.deepcopy(one_process) for loop in LOOPS}  # before any gradient exists
-    loss_and_backward(one_process, collate(examples))
-    reference = dict(one_process.named_parameters())
-    mine = examples[me * share:(me + 1) * share]
-    batches = [to_device(collate(mine[start:start + micro]), device) for start in range(0, share, micro)]
-    result = {"strategy": strategy, "world_size": ranks, "micro_batches": accumulation, "micro_batch_size": micro,
-              "global_batch_size": len(examples), "parameters": sum(p.numel() for p in one_process.parameters())}
+    mine = share(examples, accumulation, equal=True)
+    one_process = reference_net(model, device, seed)
+    loss_and_backward(one_process, collate(mine.examples))
+    reference = {name: p.grad for name, p in one_process.named_parameters()}
+    batches = mine.batches(collate, device)
+    result = {"strategy": strategy, "world_size": dist.get_world_size(), "micro_batches": accumulation,
+              "micro_batch_size": mine.micro_batch_size, "global_batch_size": len(mine.examples),
+              "parameters": sum(p.numel() for p in one_process.parameters())}
     for loop, run in LOOPS.items():
-        parallel = wrap(prepare(copies[loop], strategy), strategy, device)
+        parallel = parallel_copy(one_process, strategy, device)
         counter, sharded = CollectiveCounter(parallel), is_sharded(parallel)
         if not sharded:  # after a first step, DDP has ordered its buckets as backward fills them
             run(parallel, batches)
             parallel.zero_grad(set_to_none=True)
-        held = tracking(parallel) if sharded else nullcontext((None, []))  # FSDP2: what a micro-batch leaves held
-        with counter, held as (_, starts):
+        held = tracking(parallel) if sharded else nullcontext()  # FSDP2: what a micro-batch leaves held
+        with counter, held as watch:
             run(parallel, batches)
-        diff = max((whole(p.grad) - reference[name].grad).abs().max().item()
-                   for name, p in unwrap(parallel).named_parameters())
-        largest = torch.tensor(diff, dtype=torch.float64, device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest difference on any rank
-        result[loop] = {"max_abs_grad_diff": largest.item(), "collectives": counter.summary()}
+        result[loop] = {"max_abs_grad_diff": largest_difference(parallel, reference),
+                        "collectives": counter.summary()}
         if sharded:  # what FSDP2 holds from one micro-batch to the next: whole gradients while the sync is paused
-            result[loop]["between_micro_batches"] = starts[1]
+            result[loop]["between_micro_batches"] = watch.starts[1]
     return result
 
 

@@ -11,7 +11,7 @@
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
 helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
-(read it with helpers.finetune.last_json); --output-dir also gets metrics.json with every batch's loss.
+(read it with helpers.launch.last_json); --output-dir also gets metrics.json with every batch's loss.
 """
 
 from __future__ import annotations
@@ -167,21 +167,6 @@ def use_deterministic_algorithms() -> None:
 def summary(result: dict) -> dict:
     """``result`` without the per-batch losses: what rank 0 prints as its last line."""
     return result | {"history": [{k: v for k, v in row.items() if k != "batch_losses"} for row in result["history"]]}
-
-
-def last_json(text: str) -> dict:
-    """The last line of ``text`` that is a JSON object, e.g. the summary in a run's output; lines after it
-    (warnings printed at exit) are ignored."""
-    for line in reversed(text.splitlines()):
-        if line.lstrip().startswith("{"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    raise ValueError(f"no line of this output is a JSON object ({len(text.splitlines())} lines); did the run "
-                     f"fail before its summary? Its last line: {(text.strip().splitlines() or [''])[-1]!r}")
 
 
 def micro_batch_size(args: argparse.Namespace, world_size: int) -> int:

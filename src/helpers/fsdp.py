@@ -8,7 +8,7 @@ backward it reduce-scatters their gradients, and it frees the gathered weights a
 ``fully_shard`` swaps the module's class in place (``Net`` becomes ``FSDPNet``) instead of wrapping it, so
 ``net.bert`` still works and there is no ``.module``; what changes is that every parameter becomes a new
 DTensor object, so an optimizer must be built after sharding. Checkpoints of a sharded model (each process
-writes its shards): helpers.checkpoint. Per-rank memory: helpers.fsdp_memory.
+writes its shards): helpers.checkpoint. Per-rank memory: helpers.memory.fsdp2.
 """
 
 from __future__ import annotations

@@ -4,11 +4,13 @@ unchanged on a laptop, on a one-GPU machine and on a GPU server, and prints what
 
 NCCL cannot put two processes on one GPU, and a process without a GPU of its own is refused before it joins
 the group (helpers.distributed.device_problem); on one GPU, two processes therefore go to the CPU.
-A run that fails raises with the lines that say why, so a notebook cell never ends blank or half-filtered.
+A run that fails raises with the lines that say why, so a notebook cell never ends blank or half-filtered;
+``last_json`` reads the summary a run prints last.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -101,3 +103,18 @@ def plan_launch(processes: int = 2, gpus: int | None = None) -> Launch:
 
         gpus = torch.cuda.device_count()
     return Launch(processes, "cuda" if gpus >= processes else "cpu", gpus)
+
+
+def last_json(text: str) -> dict:
+    """The last line of ``text`` that is a JSON object, e.g. the summary in a run's output; lines after it
+    (warnings printed at exit) are ignored."""
+    for line in reversed(text.splitlines()):
+        if line.lstrip().startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    raise ValueError(f"no line of this output is a JSON object ({len(text.splitlines())} lines); did the run "
+                     f"fail before its summary? Its last line: {(text.strip().splitlines() or [''])[-1]!r}")

@@ -8,50 +8,40 @@ checkpointing against the same step without it.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import set_seed
 
 from helpers import distributed
 from helpers.accumulation import accumulation_lines, compare_accumulation
 from helpers.data import PadToLongest, load_split
-from helpers.equivalence import EQUIVALENCE_TOLERANCE, whole
-from helpers.fsdp import FINETUNE_STRATEGIES, prepare, wrap
+from helpers.equivalence import (EQUIVALENCE_TOLERANCE, gradients, largest_difference, parallel_copy, reference_net,
+                                 share)
+from helpers.fsdp import FINETUNE_STRATEGIES
 from helpers.levers import enable_checkpointing
 from helpers.models import load_tokenizer
-from helpers.net import Net
-from helpers.train import forward_backward, say, to_device
-from helpers.wrapping import unwrap
+from helpers.train import forward_backward, say
 
 
 def compare_checkpointing(model: str | None, examples: list, collate, device: torch.device, strategy: str = "ddp",
                           seed: int = 0) -> dict:
     """One training step's gradients under ``strategy`` with and without activation checkpointing, from the same
     weights, batch and random state (dropout on): the largest difference on any rank. Every rank must call it."""
-    ranks, me = dist.get_world_size(), dist.get_rank()
-    share = len(examples) // ranks
-    batch = to_device(collate(examples[me * share:(me + 1) * share]), device)
-    set_seed(seed)
-    plain = Net(model, pooler=False).to(device)
-    gradients = {}
-    for name, net in (("checkpointed", enable_checkpointing(copy.deepcopy(plain))), ("plain", plain)):
-        parallel = wrap(prepare(net, strategy), strategy, device).train()
-        torch.manual_seed(seed + me)  # the same dropout masks in both steps
+    mine = share(examples)
+    (batch,) = mine.batches(collate, device)
+    plain = reference_net(model, device, seed, dropout=True)
+    steps = {"plain": parallel_copy(plain, strategy, device),
+             "checkpointed": parallel_copy(plain, strategy, device, change=enable_checkpointing)}
+    for parallel in steps.values():
+        torch.manual_seed(seed + dist.get_rank())  # the same dropout masks in both steps
         forward_backward(parallel, batch, nn.CrossEntropyLoss())
-        gradients[name] = {key: whole(p.grad) for key, p in unwrap(parallel).named_parameters()}
-    diff = max((gradients["checkpointed"][key] - grad).abs().max().item() for key, grad in gradients["plain"].items())
-    largest = torch.tensor(diff, dtype=torch.float64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return {"strategy": strategy, "world_size": ranks, "per_rank_batch_size": share,
-            "max_abs_grad_diff": largest.item()}
+    return {"strategy": strategy, "world_size": dist.get_world_size(), "per_rank_batch_size": len(mine.mine),
+            "max_abs_grad_diff": largest_difference(steps["checkpointed"], gradients(steps["plain"]))}
 
 
 def checkpointing_line(result: dict) -> str:
-    name = result["strategy"].upper()
     """``compare_checkpointing``'s result in words."""
     ok = result["max_abs_grad_diff"] <= EQUIVALENCE_TOLERANCE
     return (f"{result['strategy'].upper()}: {result['world_size']} process(es) x {result['per_rank_batch_size']}, "

@@ -1,33 +1,30 @@
 """The memory of one real training step with each lever, tracked, beside what the prediction says for it.
 
-tracked: PyTorch's MemTracker (FSDPMemTracker for a sharded model) around one optimizer step exactly as
-helpers.train runs it (``accumulate``, then ``optimizer_step``), with the lever applied as helpers.finetune applies
-it (helpers.levers), on real tensors. predicted: helpers.memtrace's trace of the same step on fake tensors. Notebook
-05 asks it what a CUDA GPU keeps (1-byte dropout masks, the fused attention kernels); here it is asked what this
-step keeps where it runs, on the CPU: float dropout masks, and PyTorch's own choice of attention computation
-(in training, with dropout, the CPU computes attention step by step and keeps its probabilities for backward).
-Both steps start after a warm-up step that creates Adam's state, on a batch of random tokens without padding.
+tracked: PyTorch's MemTracker (FSDPMemTracker for a sharded model; helpers.memory.tracking) around one optimizer
+step exactly as helpers.train runs it (``accumulate``, then ``optimizer_step``), with the lever applied as
+helpers.finetune applies it (helpers.levers), on real tensors. predicted: helpers.memory's trace of the same step on
+fake tensors (``predict_cpu_step``). Notebook 05 asks the trace what a CUDA GPU keeps (1-byte dropout masks, the
+fused attention kernels); here it is asked what this step keeps where it runs, on the CPU: float dropout masks,
+and PyTorch's own choice of attention computation (in training, with dropout, the CPU computes attention step by
+step and keeps its probabilities for backward). Both steps start after a warm-up step that creates Adam's state,
+on a batch of random tokens without padding.
 """
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 
-from helpers import fsdp_memory, memtrace
 from helpers.levers import amp_dtype, enable_checkpointing
+from helpers.memory import predict_cpu_step, tracking
 from helpers.net import Net
 from helpers.train import accumulate, input_device, optimizer_step
-from helpers.wrapping import is_sharded, unwrap
 
 LEVERS = {"none": {}, "accumulation": {"accumulation": 2}, "checkpointing": {"checkpointing": True},
           "bf16 autocast": {"amp": "bf16"}}
-"""The three levers of notebook 05 as options of ``tracked_step`` and ``predicted_step``; "none" for comparison."""
+"""The three levers of notebook 05 as options of ``tracked_step`` and ``predict_cpu_step``; "none" for comparison."""
 
 
 def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches: int = 1, seed: int = 0) -> list:
@@ -37,51 +34,6 @@ def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches
     return [{"input_ids": torch.randint(0, vocab_size, (size, seq_len), generator=generator),
              "attention_mask": torch.ones(size, seq_len, dtype=torch.long),
              "labels": torch.randint(0, 2, (size,), generator=generator)} for _ in range(micro_batches)]
-
-
-@contextmanager
-def tracking(model: torch.nn.Module, optimizer=None):
-    """Yield ``(tracker, starts)``: a MemTracker (FSDPMemTracker for a sharded model), active in the block, and a list
-    that gets the bytes by category held as each forward of ``model`` begins (between micro-batches: what one
-    micro-batch leaves for the next). Each forward starts the tracker's module statistics afresh, which it needs
-    for a second forward of the same modules. Garbage collection waits until the end, so that it frees nothing at
-    an arbitrary point of the step."""
-    if is_sharded(model):
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        tracker = FSDPMemTracker(unwrap(model), optimizer)
-    else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    starts = []
-
-    def forward_begins(module, _):  # a global hook runs before the tracker's own hooks on the module
-        if module is model:  # the outermost module (a wrapper, if any) starts the forward
-            starts.append(tracked_categories(tracker, "current"))
-            tracker.reset_mod_stats()
-
-    handle = register_module_forward_pre_hook(forward_begins)
-    gc.collect()
-    gc.disable()
-    try:
-        with tracker:
-            yield tracker, starts
-    finally:
-        gc.enable()
-        handle.remove()
-
-
-def tracked_categories(tracker, moment: str = "peak") -> dict[str, int]:
-    """The tracker's bytes at ``moment`` ("peak" or "current") in the words of notebook 05 (08 for a sharded model:
-    "gathered" weights too), and 'total'."""
-    snapshot = tracker.get_tracker_snapshot(moment)
-    if type(tracker).__name__ != "FSDPMemTracker":
-        return memtrace.tracker_categories(snapshot)
-    (device,) = snapshot.values()
-    return fsdp_memory.fsdp_categories({getattr(kind, "value", kind): nbytes for kind, nbytes in device.items()
-                                    if kind != "Total"})
 
 
 def step(model, optimizer, batches: list, amp: str | None = None) -> float:
@@ -98,9 +50,9 @@ def tracked_step(model, optimizer, batches: list, amp: str | None = None) -> dic
     model.train()
     warm_up = {key: value[:1, :8] if value.dim() == 2 else value[:1] for key, value in batches[0].items()}
     step(model, optimizer, [warm_up], amp)  # creates Adam's state
-    with tracking(model, optimizer) as (tracker, _):
+    with tracking(model, optimizer) as watch:
         step(model, optimizer, batches, amp)
-    return tracked_categories(tracker)
+    return watch.categories("peak")
 
 
 def seconds_per_step(model, optimizer, batches: list, amp: str | None = None, repeats: int = 3) -> float:
@@ -118,23 +70,6 @@ def seconds_per_step(model, optimizer, batches: list, amp: str | None = None, re
     return statistics.median(times[1:])
 
 
-def predicted_step(config, batch_size: int, seq_len: int, *, accumulation: int = 1, checkpointing: bool = False,
-                   amp: str | None = None) -> dict[str, int]:
-    """The peak bytes by category helpers.memtrace predicts for this step on the CPU (fake tensors): ``Net`` as
-    helpers.finetune builds it (no pooler), float dropout masks, the attention PyTorch computes there."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    config = config.__class__(**(config.to_dict() | {"use_cache": False}))  # as enable_checkpointing sets it
-    model = memtrace.build_model(config, "sdpa", checkpointing)
-    model.bert.pooler = None  # as Net(pooler=False), which helpers.finetune trains
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        trace = memtrace.trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size,
-                                    accumulation=accumulation, cuda_dropout=False, fused_attention=False,
-                                    amp_dtype=amp_dtype(amp))
-    return trace.peak
-
-
 def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVERS, seed: int = 0) -> dict[str, dict]:
     """For each lever: the predicted and tracked peak (bytes by category) and seconds per step on this machine's
     CPU of the model ``Net`` loads (the bundled one unless BERT_MODEL names another), at the same global batch of
@@ -147,10 +82,10 @@ def measure_levers(batch_size: int = 16, seq_len: int = 64, levers: dict = LEVER
         config = net.bert.config
         if options.get("checkpointing"):
             enable_checkpointing(net)
-        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)  # as memtrace traces it
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, foreach=True)  # as the trace runs it
         batches = random_batches(config.vocab_size, batch_size, seq_len, accumulation, seed)
-        rows[name] = {"predicted": predicted_step(config, batch_size, seq_len, accumulation=accumulation,
-                                                  checkpointing=bool(options.get("checkpointing")), amp=amp),
+        rows[name] = {"predicted": predict_cpu_step(config, batch_size, seq_len, accumulation=accumulation,
+                                                    checkpointing=bool(options.get("checkpointing")), amp=amp),
                       "tracked": tracked_step(net, optimizer, batches, amp),
                       "seconds": seconds_per_step(net, optimizer, batches, amp)}
     return rows

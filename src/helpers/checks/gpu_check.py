@@ -33,11 +33,9 @@ import torch
 
 from helpers.checks import gpu_runs
 from helpers.checks.notebook_env import NOTEBOOK_ENV, lessons_then_solutions
-from helpers.cuda_step import CudaPeak, measure_cuda_step
-from helpers.fsdp_memory import check_fsdp
-from helpers.gpu_facts import GpuModel, attention_kernel, sdpa_kernel, this_gpu, workspaces
-from helpers.memory import per_device, predict_step
-from helpers.memtrace import bert_base_config
+from helpers.launch import last_json
+from helpers.memory import (GIB, CudaPeak, GpuModel, attention_kernel, bert_base_config, load_table, measure_cuda_step,
+                            per_device, predict_step, sdpa_kernel, this_gpu, workspaces)
 
 ROOT = Path(__file__).resolve().parents[3]
 MIB = 2**20
@@ -158,6 +156,46 @@ def check_memory(cases: list[MemoryCase] | None = None):
         yield from check_memory_case(config, case, gpu)
     if torch.cuda.device_count() < 2:
         yield True, "skip DataParallel per-device check: needs 2 CUDA GPUs"
+
+# --- FSDP2 ------------------------------------------------------------------------------------------------------
+
+FSDP_GPUS = 2
+FSDP_TOLERANCE = 0.05
+
+
+def check_fsdp() -> list[tuple[bool, str]]:
+    """The FSDP lines: on 2 CUDA GPUs over NCCL, each rank's measured peak (``helpers.memory.cuda_step``) for
+    BERT-base at the per-rank batch of notebook 08's stored table, against that table's prediction. Skips, with the
+    reason, where there are fewer than 2 GPUs or no NCCL."""
+    import torch.distributed as dist
+
+    gpus = FSDP_GPUS
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [(True, f"skip FSDP check: needs {gpus} CUDA GPUs, this machine has {count}")]
+    if not dist.is_nccl_available():
+        return [(True, "skip FSDP check: this torch build has no NCCL")]
+    table = load_table()
+    size, length = table["batch_size"], table["seq_len"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                          "-m", "helpers.memory.cuda_step", "--fsdp", "--batch-size", str(size), "--seq-len", str(length)],
+                         capture_output=True, text=True, timeout=900)
+    try:
+        measured = last_json(run.stdout)
+    except ValueError:
+        measured = None
+    if run.returncode != 0 or measured is None:
+        return [(False, f"FAIL FSDP run on {gpus} GPUs (exit {run.returncode}): {run.stderr.strip()[-500:]}")]
+    predicted = table["models"]["BERT-base"]["fsdp"][str(gpus)]["total"]
+    results = [(measured["backend"] == "nccl", f"{'ok  ' if measured['backend'] == 'nccl' else 'FAIL'} FSDP "
+                                                f"backend {measured['backend']}")]
+    for rank, peak in enumerate(measured["peaks"]):
+        gap = (peak - predicted) / predicted
+        ok = abs(gap) <= FSDP_TOLERANCE
+        results.append((ok, f"{'ok  ' if ok else 'FAIL'} FSDP rank {rank}, BERT-base, {gpus} GPUs, "
+                            f"B={size}/rank, L={length}  predicted {predicted / GIB:7.2f} GiB  measured "
+                            f"{peak / GIB:7.2f} GiB  gap {gap:+.1%}"))
+    return results
 
 
 # --- notebooks ----------------------------------------------------------------------------------------------------

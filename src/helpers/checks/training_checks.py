@@ -14,7 +14,7 @@ from pathlib import Path
 
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
-from helpers.finetune import last_json
+from helpers.launch import last_json
 
 RUN_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 TIMEOUT = 300

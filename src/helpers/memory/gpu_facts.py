@@ -1,5 +1,6 @@
 """What a CUDA GPU holds besides the step's tensors, and which attention kernel it picks: facts read in PyTorch's
-source, written as pure functions of the GPU and the environment, so that a prediction can include them.
+source, written as a table of GPUs and pure functions of a GPU and the environment (no torch, no CUDA), so that a
+prediction can include them on any machine. ``helpers.memory.cuda_step.this_gpu`` asks a real GPU the same.
 
 Sources (C++, not part of the installed wheel; read on github.com/pytorch/pytorch, commit named per fact):
 
@@ -11,9 +12,10 @@ Sources (C++, not part of the installed wheel; read on github.com/pytorch/pytorc
 - aten/src/ATen/native/cuda/Reduce.cuh (``setReduceConfig``, ``ReduceConfig::global_memory_size``,
   ``gpu_reduce_kernel``): a sum over the rows of an (N, C) tensor splits each column over several blocks when N
   is large, and the blocks meet in a staging buffer taken from the caching allocator for the kernel's duration.
-- aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (commit 21c3369): which fused attention kernel
-  ``scaled_dot_product_attention`` may use (``check_flash_attention_hardware_support``: sm80 to sm90;
-  ``check_prefer_cudnn_attention``: cuDNN first from sm90 on, cuDNN >= 9; fp16/bf16 only for flash and cuDNN).
+- aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (commit 001f694): which fused attention kernel
+  ``scaled_dot_product_attention`` may use (``check_flash_attention_hardware_support``: sm80 to sm121;
+  ``check_prefer_cudnn_attention``: cuDNN first on sm90, sm100 and sm103 with cuDNN newer than 9.15 (CUDA 12
+  wheels; any sm9x/sm10x with CUDA 13); fp16/bf16 only for flash and cuDNN).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KIB = 2**10
+KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class GpuModel:
         return f"sm{self.capability[0]}{self.capability[1]}"
 
 
-# NVIDIA's published figures (SM counts from each product's datasheet; threads per SM from the CUDA C++
+# One row per GPU model. NVIDIA's published figures (SM counts from each product's datasheet; threads per SM from the CUDA C++
 # Programming Guide's table of compute capabilities). Memory as sold: GB = 10^9 bytes.
 GPUS = {gpu.name: gpu for gpu in (
     GpuModel("H200", (9, 0), 132, 2048, 141 * 10**9),     # the GPU of the recorded run (gpu-runs/2026-12-04-h200)
@@ -53,21 +55,6 @@ GPUS = {gpu.name: gpu for gpu in (
     GpuModel("V100", (7, 0), 80, 2048, 16 * 10**9),
     GpuModel("T4", (7, 5), 40, 1024, 16 * 10**9),
 )}
-
-
-def this_gpu(device: int = 0) -> GpuModel:
-    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
-    kernels it picks for BERT's training call (asked of torch, ``helpers.cuda_step.gpu_sdpa_kernel``)."""
-    import torch
-
-    from helpers.cuda_step import gpu_sdpa_kernel
-    from helpers.memtrace import bert_base_config
-
-    props = torch.cuda.get_device_properties(device)
-    with torch.cuda.device(device):
-        kernels = tuple(gpu_sdpa_kernel(bert_base_config(), 8, 128, dtype) for dtype in (torch.float32, torch.bfloat16))
-    return GpuModel(props.name, (props.major, props.minor), props.multi_processor_count,
-                    props.max_threads_per_multi_processor, props.total_memory, kernels)
 
 
 # --- cuBLAS and cuBLASLt workspaces ------------------------------------------------------------------------------
@@ -155,22 +142,30 @@ def reduce_buffers(rows: int, columns: int, gpu: GpuModel, *, accumulate_bytes: 
 
 # --- attention kernels ----------------------------------------------------------------------------------------
 
+FLASH_CAPABILITIES = ((8, 0), (12, 1))             # check_flash_attention_hardware_support: [sm80, sm121]
+MEMORY_EFFICIENT_CAPABILITIES = ((5, 0), (12, 1))  # check_mem_efficient_hardware_support: [sm50, sm121]
+CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))           # check_prefer_cudnn_attention, CUDA 12 wheels
+
+
 def sdpa_kernel(capability: tuple[int, int], half: bool, masked: bool = False) -> str:
     """The kernel ``scaled_dot_product_attention`` picks for BERT's training call (head size 64, dropout) on a GPU
     of this compute capability: ``half`` for fp16/bf16 inputs (autocast), ``masked`` with a padding mask.
 
-    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask; flash runs from sm80 on. On sm90 and
-    sm100 PyTorch prefers cuDNN (read in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority order;
-    measured on the H200 with torch 2.11: bf16 picked cuDNN). Everything else takes the memory-efficient kernel.
-    On a GPU, ``helpers.cuda_step.gpu_sdpa_kernel`` asks torch instead.
+    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask. Where PyTorch prefers cuDNN
+    (``CUDNN_FIRST``) it comes first; else flash, on ``FLASH_CAPABILITIES``; else the memory-efficient kernel,
+    on ``MEMORY_EFFICIENT_CAPABILITIES``; else the math kernel, which keeps the L x L probabilities (read in
+    sdp_utils.cpp, priority order; measured on the H200 with torch 2.11: fp32 memory-efficient, bf16 cuDNN). On a
+    GPU, ``helpers.memory.cuda_step.gpu_sdpa_kernel`` asks torch instead.
     """
-    if not half or masked:
+    capability = tuple(capability)
+    if half and not masked:
+        if capability in CUDNN_FIRST:
+            return "cuDNN"
+        if FLASH_CAPABILITIES[0] <= capability <= FLASH_CAPABILITIES[1]:
+            return "flash"
+    if MEMORY_EFFICIENT_CAPABILITIES[0] <= capability <= MEMORY_EFFICIENT_CAPABILITIES[1]:
         return "memory-efficient"
-    if tuple(capability) in ((9, 0), (10, 0)):
-        return "cuDNN"
-    if capability[0] >= 8:
-        return "flash"
-    return "memory-efficient"
+    return "math"
 
 
 def attention_kernel(gpu: GpuModel, half: bool, masked: bool = False) -> str:
@@ -182,7 +177,7 @@ def attention_kernel(gpu: GpuModel, half: bool, masked: bool = False) -> str:
 
 
 MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB|G|M)?\s*$", re.IGNORECASE)
-UNITS = {"gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}
+UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": MIB, "m": MIB, "mb": 10**6}
 
 
 def parse_memory(text: str) -> int:

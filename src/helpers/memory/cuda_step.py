@@ -1,19 +1,28 @@
-"""Measure one training step on a real CUDA GPU: the allocator's peaks, and the attention kernel the GPU picks.
+"""Measure on a real CUDA GPU: one training step's allocator peaks (one GPU, DataParallel, FSDP2 over NCCL), the
+attention kernel the GPU picks, and the GPU's own facts. The only module of helpers.memory that runs CUDA code.
 
 Notebook 05 compares these measurements with the predictions of helpers.memory; ``make gpu-check`` runs
-them over a grid of batch sizes, sequence lengths and levers.
+them over a grid of batch sizes, sequence lengths and levers, and FSDP2 on two GPUs:
+
+    torchrun --nproc_per_node=2 -m helpers.memory.cuda_step --fsdp --batch-size 8 --seq-len 512
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from helpers.levers import enable_checkpointing
-from helpers.memtrace import build_model
+from helpers.memory.configs import bert_base_config
+from helpers.memory.gpu_facts import GpuModel
+from helpers.memory.torch_private import clear_cublas_workspaces, fused_sdp_choice
+from helpers.memory.tracer import build_model
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ def clean_state(device: int = 0) -> int:
     that: tensors earlier code still holds."""
     gc.collect()
     torch.cuda.synchronize(device)
-    torch._C._cuda_clearCublasWorkspaces()
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device)
 
@@ -85,13 +94,68 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
 
 def gpu_sdpa_kernel(config, batch_size: int, seq_len: int, dtype: torch.dtype) -> str:
     """The kernel this GPU's ``scaled_dot_product_attention`` picks for BERT's unmasked training call, asked
-    with ``torch._fused_sdp_choice`` on tensors laid out as BERT lays them out ((B, L, A, d) transposed)."""
+    of torch (``torch._fused_sdp_choice``) on tensors laid out as BERT lays them out ((B, L, A, d) transposed)."""
     from torch.nn.attention import SDPBackend
 
     heads = config.num_attention_heads
     query = torch.empty(batch_size, seq_len, heads, config.hidden_size // heads, device="cuda", dtype=dtype,
                         requires_grad=True).transpose(1, 2)
-    choice = torch._fused_sdp_choice(query, query, query, None, config.attention_probs_dropout_prob, False)
+    choice = fused_sdp_choice(query, query, query, config.attention_probs_dropout_prob)
     names = {int(member.value): name for name, member in SDPBackend.__members__.items()}
     return {"EFFICIENT_ATTENTION": "memory-efficient", "FLASH_ATTENTION": "flash",
             "CUDNN_ATTENTION": "cuDNN", "MATH": "math"}.get(names.get(choice), str(names.get(choice, choice)))
+
+
+def this_gpu(device: int = 0) -> GpuModel:
+    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
+    kernels it picks for BERT's training call (asked of torch, ``gpu_sdpa_kernel``)."""
+    props = torch.cuda.get_device_properties(device)
+    with torch.cuda.device(device):
+        kernels = tuple(gpu_sdpa_kernel(bert_base_config(), 8, 128, dtype) for dtype in (torch.float32, torch.bfloat16))
+    return GpuModel(props.name, (props.major, props.minor), props.multi_processor_count,
+                    props.max_threads_per_multi_processor, props.total_memory, kernels)
+
+
+def measure_fsdp_rank(batch_size: int, seq_len: int) -> None:
+    """One rank of ``torchrun -m helpers.memory.cuda_step --fsdp``: an Adam step of BERT-base-shaped ``Net`` (random
+    weights) sharded over NCCL, ``batch_size`` examples of ``seq_len`` tokens per rank; rank 0 prints every rank's
+    ``torch.cuda.max_memory_allocated`` as JSON."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.fsdp import shard
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    config = bert_base_config()
+    torch.manual_seed(0)
+    model = shard(build_model(config, device="cpu").to(device), init_device_mesh("cuda", (dist.get_world_size(),)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+
+    def step(batch, tokens):
+        input_ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+        labels = torch.randint(0, 2, (batch,), device=device)
+        nn.functional.cross_entropy(model(input_ids), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(1, 8)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step(batch_size, seq_len)
+    torch.cuda.synchronize(device)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device))
+    if dist.get_rank() == 0:
+        print(json.dumps({"backend": dist.get_backend(), "peaks": peaks}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="torchrun -m helpers.memory.cuda_step", description=measure_fsdp_rank.__doc__)
+    parser.add_argument("--fsdp", action="store_true", required=True, help="measure one FSDP2 step (the only mode)")
+    parser.add_argument("--batch-size", type=int, default=8, help="examples per rank")
+    parser.add_argument("--seq-len", type=int, default=512)
+    args = parser.parse_args()
+    measure_fsdp_rank(args.batch_size, args.seq_len)

@@ -5,9 +5,9 @@ prediction of ``torch.cuda.max_memory_allocated``.
 Each tensor is filed, when it is made, under what it is (the words of notebook 05): weights (made with the
 model), the batch, activations (made in forward), temporaries (made in backward; a parameter's gradient is
 moved to gradients once autograd stores it), optimizer (made inside ``optimizer.step()``: Adam's state and the
-update's intermediates). What CUDA adds (``helpers.gpu_facts``): the cuBLAS and cuBLASLt workspaces at the first
+update's intermediates). What CUDA adds (``helpers.memory.gpu_facts``): the cuBLAS and cuBLASLt workspaces at the first
 matrix product of each thread (workspaces), and the staging buffer of each large bias-gradient sum (reduction).
-The allocator (``helpers.allocator``) counts whole blocks; what they hold beyond the requested bytes is filed
+The allocator (``helpers.memory.allocator``) counts whole blocks; what they hold beyond the requested bytes is filed
 under allocator.
 
 PyTorch's own tracker (``MemTracker``) is not used here on purpose: its module hooks keep a module's input
@@ -22,17 +22,15 @@ import os
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
-from helpers.allocator import CachingAllocator
-from helpers.gpu_facts import GpuModel, reduce_buffers, workspaces
+from helpers.memory.allocator import CachingAllocator
+from helpers.memory.categories import ORDER
+from helpers.memory.gpu_facts import GpuModel, reduce_buffers, workspaces
+from helpers.memory.torch_private import (BIAS_GEMM, GEMMS, SUM_OVER_DIMS, TorchDispatchMode, WeakIdKeyDictionary,
+                                          tree_leaves)
 
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporaries", "workspaces", "reduction", "batch",
-              "allocator")
-_GEMMS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-          torch.ops.aten.baddbmm.default}
+FILED = tuple(word for word in ORDER if word not in ("gathered", "buckets"))
+"""What one simulated GPU files bytes under: no FSDP2 gathered weights, no DDP buckets (the prediction adds those)."""
 
 
 class SimulatedGpu:
@@ -52,7 +50,7 @@ class SimulatedGpu:
         self.workspace_sizes = workspaces(gpu.capability, os.environ if environ is None else environ, deterministic)
         self.phase = "weights"
         self.backward = False
-        self.held = dict.fromkeys(CATEGORIES, 0)   # requested bytes by category
+        self.held = dict.fromkeys(FILED, 0)   # requested bytes by category
         self._category: dict[object, str] = {}     # key of each live allocation -> its category
         self._keys = WeakIdKeyDictionary()         # storage -> key
         self.peak: dict[str, int] | None = None
@@ -125,13 +123,13 @@ class SimulatedGpu:
 
     def after(self, func, args) -> None:
         """What the CUDA kernel of ``func`` allocates besides its outputs."""
-        if func in _GEMMS:
+        if func in GEMMS:
             thread = "autograd thread" if self.backward else "forward thread"
-            names = [f"cuBLAS ({thread})"] + ([f"cuBLASLt ({thread})"] if func is torch.ops.aten.addmm.default else [])
+            names = [f"cuBLAS ({thread})"] + ([f"cuBLASLt ({thread})"] if func is BIAS_GEMM else [])
             for name in names:
                 if name in self.workspace_sizes and name not in self._category:
                     self.allocate(name, self.workspace_sizes[name], "workspaces")
-        elif func is torch.ops.aten.sum.dim_IntList:
+        elif func is SUM_OVER_DIMS:
             source, dims = args[0], sorted(d % args[0].dim() for d in args[1])
             if source.is_contiguous() and source.dim() >= 2 and dims == list(range(source.dim() - 1)):
                 staging, semaphores = reduce_buffers(source.numel() // source.shape[-1], source.shape[-1], self.gpu)

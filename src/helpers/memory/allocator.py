@@ -87,13 +87,35 @@ class CachingAllocator:
         pool = self._pools[block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
 
-    def add_segment(self, address: int, size: int, small: bool) -> Block:
-        """A free segment that exists already (used to rebuild an allocator's state from a snapshot)."""
-        block = Block(address, size, small)
-        self._insert(block)
+    def add_segment(self, address: int, size: int, small: bool, held=()) -> None:
+        """A segment that exists already, e.g. in a memory snapshot, with the blocks it holds: ``held`` is
+        ``(key, address, size, requested)`` for each, the rest of the segment is free. The blocks are linked as
+        ``malloc`` links them, so a freed one merges with its free neighbours."""
         self.reserved += size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return block
+        rest = Block(address, size, small)  # the part of the segment after the blocks placed so far
+        for key, start, length, requested in sorted(held, key=lambda entry: entry[1]):
+            if rest is None or not rest.address <= start < start + length <= rest.address + rest.size:
+                raise ValueError(f"held block at {start:#x} ({length} bytes) overlaps another or lies outside the "
+                                 f"segment at {address:#x} ({size} bytes)")
+            if start > rest.address:  # a free block before it
+                before = Block(rest.address, start - rest.address, small, prev=rest.prev, next=rest)
+                if rest.prev:
+                    rest.prev.next = before
+                rest.prev, rest.address, rest.size = before, start, rest.size - before.size
+                self._insert(before)
+            block, rest = rest, None
+            if length < block.size:
+                rest = Block(start + length, block.size - length, small, prev=block)
+                block.next, block.size = rest, length
+            block.free, block.requested = False, requested
+            self._live[key] = block
+            self.allocated += length
+            self.requested += requested
+        if rest is not None:
+            self._insert(rest)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
 
     def malloc(self, key, size: int) -> Block | None:
         """Serve a request of ``size`` bytes, remembered under ``key`` (its tensor); None for 0 bytes."""

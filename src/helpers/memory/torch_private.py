@@ -1,0 +1,191 @@
+"""Every private PyTorch surface the memory predictor (and notebook 09's collective counter) rests on, in one place.
+
+None of these is public API: a torch release may move, rename or change any of them without notice. So each use
+in the package goes through this module, which names the torch it was written against (``TESTED``). On another
+torch it warns once, on import (FIELD-NOTES: torch 2.14.1 ran everything); where a surface is really gone, or an
+operator called with positional arguments has changed its signature, it raises ``TorchSurfaceMissing``, one line
+naming the torch the series needs. The cheap surfaces are checked on import; the trackers, whose modules import
+TorchDynamo (about 1.5 s), and the CUDA-only functions when they are first used. CONTRIBUTING.md ("Upgrading
+torch") says what to re-read in PyTorch's source and which test pins which fact.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+TESTED = "2.13.0"  # the torch this module was written and tested against (requirements.txt pins it)
+NEEDED = "2.13"    # the oldest torch known to have every surface below (pyproject.toml says the same)
+
+
+class UntestedTorchWarning(UserWarning):
+    """This torch is not the one the predictor was tested with; its private surfaces may behave otherwise."""
+
+
+class TorchSurfaceMissing(ImportError):
+    """A private PyTorch surface the predictor needs is missing, or its signature changed, in this torch."""
+
+
+def missing(what: str) -> TorchSurfaceMissing:
+    return TorchSurfaceMissing(f"helpers.memory needs torch {NEEDED} (tested with {TESTED}); torch {torch.__version__} "
+                               f"has no {what}")
+
+
+def untested(version: str) -> str | None:
+    """The warning for torch ``version``, or None where it is the tested one (local builds such as +cpu count)."""
+    if version.split("+")[0] == TESTED:
+        return None
+    return (f"helpers.memory was tested with torch {TESTED}, this is torch {version}: its memory predictions rest on "
+            f"private PyTorch code that may have changed (CONTRIBUTING.md, 'Upgrading torch')")
+
+
+def attribute(module: str, name: str):
+    """``module.name``, or TorchSurfaceMissing naming it (the import error kept as the cause)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise missing(f"{module}.{name}") from error
+
+
+def aten(name: str, overload: str = "default"):
+    """The ATen operator overload ``aten.name.overload`` as a dispatch mode sees it."""
+    try:
+        return getattr(getattr(torch.ops.aten, name), overload)
+    except (AttributeError, RuntimeError) as error:
+        raise missing(f"aten.{name}.{overload}") from error
+
+
+def positional_operator(name: str, positional: tuple[str, ...]):
+    """``torch.ops.aten.<name>``, checked to take ``positional`` as its leading positional arguments (the calls
+    below pass them by position, so a reordered or inserted argument would silently mean something else)."""
+    schema = aten(name)._schema
+    found = tuple(argument.name for argument in schema.arguments if not argument.kwarg_only)
+    if found[:len(positional)] != positional:
+        raise missing(f"aten.{name}({', '.join(positional)}, ...); it takes ({', '.join(found)})")
+    return getattr(torch.ops.aten, name)
+
+
+warning = untested(torch.__version__)
+if warning:
+    warnings.warn(warning, UntestedTorchWarning, stacklevel=2)
+
+# --- fake tensors and dispatch: checked on import -----------------------------------------------------------------
+
+FakeTensorMode = attribute("torch._subclasses.fake_tensor", "FakeTensorMode")  # shapes without data
+if not hasattr(FakeTensorMode, "cache_clear"):
+    raise missing("FakeTensorMode.cache_clear (its dispatch cache, emptied before an FSDP2 trace)")
+TorchDispatchMode = attribute("torch.utils._python_dispatch", "TorchDispatchMode")  # sees every ATen call
+tree_leaves = attribute("torch.utils._pytree", "tree_leaves")
+WeakIdKeyDictionary = attribute("torch.utils.weak", "WeakIdKeyDictionary")
+native_dropout = attribute("torch", "native_dropout")  # CUDA's fused dropout: a 1-byte mask
+GEMMS = frozenset(aten(name) for name in ("addmm", "mm", "bmm", "baddbmm"))
+"""The matrix products as a dispatch mode sees them: each takes a cuBLAS workspace on CUDA."""
+BIAS_GEMM = aten("addmm")  # a linear layer with a bias: cuBLASLt, with its own workspace
+SUM_OVER_DIMS = aten("sum", "dim_IntList")  # a bias gradient's sum, as a dispatch mode sees it
+
+# The fused attention kernels, called with positional arguments in the order of their schemas
+_FLASH = positional_operator("_scaled_dot_product_flash_attention",
+                             ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"))
+_CUDNN = positional_operator("_scaled_dot_product_cudnn_attention",
+                             ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                              "return_debug_mask"))
+_EFFICIENT = positional_operator("_scaled_dot_product_efficient_attention",
+                                 ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"))
+
+
+def fused_attention(kernel: str, query, key, value, attn_bias, dropout_p: float, is_causal: bool, scale):
+    """The output of ``kernel`` ("flash", "cuDNN" or "memory-efficient") in training, as SDPA calls it; what it
+    keeps for backward (one fp32 log-sum-exp per query, never the L x L probabilities) comes with it."""
+    if kernel == "flash":
+        return _FLASH(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if kernel == "cuDNN":
+        return _CUDNN(query, key, value, None, True, dropout_p, is_causal, False, scale=scale)[0]
+    if kernel != "memory-efficient":
+        raise ValueError(f"kernel={kernel!r}: expected flash, cuDNN or memory-efficient")
+    return _EFFICIENT(query, key, value, attn_bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+# --- the trackers and the fake process group: checked when first used ------------------------------------------
+
+@functools.cache
+def mem_tracker():
+    """PyTorch's ``MemTracker`` class (torch/distributed/_tools/mem_tracker.py)."""
+    tracker = attribute("torch.distributed._tools.mem_tracker", "MemTracker")
+    for method in ("track_external", "reset_mod_stats", "get_tracker_snapshot"):
+        if not hasattr(tracker, method):
+            raise missing(f"MemTracker.{method}")
+    return tracker
+
+
+@functools.cache
+def fsdp_mem_tracker():
+    """``FSDPMemTracker`` (torch/distributed/_tools/fsdp2_mem_tracker.py): MemTracker with FSDP2's own kinds."""
+    mem_tracker()
+    return attribute("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")
+
+
+def tracker_kinds() -> dict[str, tuple[str, ...]]:
+    """The kinds each tracker files bytes under (its private enums' values), by tracker class name."""
+    kinds = attribute("torch.distributed._tools.mem_tracker", "_MemRefType")
+    fsdp_kinds = attribute("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType")
+    return {"MemTracker": tuple(kind.value for kind in kinds),
+            "FSDPMemTracker": tuple(kind.value for kind in fsdp_kinds)}
+
+
+def fake_store():
+    """A store for ``init_process_group("fake", ...)``: a process group whose collectives return at once
+    (torch/testing/_internal/distributed/fake_pg.py)."""
+    return attribute("torch.testing._internal.distributed.fake_pg", "FakeStore")()
+
+
+# --- on a CUDA GPU ------------------------------------------------------------------------------------------------
+
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (handle, stream), so that the next step allocates them afresh."""
+    if not hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        raise missing("torch._C._cuda_clearCublasWorkspaces (CUDA builds only)")
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+def fused_sdp_choice(query, key, value, dropout_p: float) -> int:
+    """The ``SDPBackend`` value ``scaled_dot_product_attention`` picks on this GPU for an unmasked, non-causal call."""
+    if not hasattr(torch, "_fused_sdp_choice"):
+        raise missing("torch._fused_sdp_choice")
+    return torch._fused_sdp_choice(query, key, value, None, dropout_p, False)
+
+
+# --- FSDP2's collectives ------------------------------------------------------------------------------------------
+
+FSDP2_COLLECTIVES = {"all-gather": "all_gather_single", "reduce-scatter": "reduce_scatter_single"}
+"""The functions of torch.distributed that FSDP2 calls from Python (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py) for each collective; none of them is in torch.distributed's public list."""
+
+
+@contextmanager
+def seeing_fsdp2_collectives(add):
+    """Inside the block, each all-gather and reduce-scatter of FSDP2 first calls ``add(kind, tensor)`` with the
+    tensor it moves on this process: the whole gathered output, the whole input to reduce-scatter."""
+    import torch.distributed as dist
+
+    for kind, name in FSDP2_COLLECTIVES.items():
+        if not hasattr(dist, name):
+            raise missing(f"torch.distributed.{name} (FSDP2's {kind})")
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
+        add("all-gather", output_tensor)
+        return gather(output_tensor, input_tensor, *args, **kwargs)
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        add("reduce-scatter", input)
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
