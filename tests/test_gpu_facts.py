@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.memory.gpu_facts import (GPUS, cublas_workspace_size, cublaslt_workspace_size, parse_memory, reduce_buffers,
-                               sdpa_kernel, workspaces)
+from helpers.memory.gpu_facts import (GPUS, cublas_workspace_size, cublaslt_workspace_size, parse_memory,
+                                      reduce_buffers, sdpa_kernel, workspaces)
 
 SNAPSHOT = Path(__file__).parent / "fixtures" / "h200-snapshot-b8-l512-fp32.pickle.gz"
 KIB, MIB = 2**10, 2**20

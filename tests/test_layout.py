@@ -98,7 +98,8 @@ def notebook_sources() -> list[str]:
 def test_the_import_graph_sees_packages_and_imports_inside_functions():
     """The checks below are only as good as this graph: a package imported by name, a module imported as an
     attribute of its package, and an import inside a function are all edges."""
-    source = "import helpers.checks\nfrom helpers import launch\ndef f():\n    from helpers.memory.tracer import trace_step\n"
+    source = ("import helpers.checks\nfrom helpers import launch\n"
+              "def f():\n    from helpers.memory.tracer import trace_step\n")
     assert imported_modules(source) == {"helpers.checks", "helpers.launch", "helpers.memory.tracer"}
     assert "helpers.memory.cuda_step" in GRAPH["helpers.memory"]  # the front door's lazy names
 
@@ -130,7 +131,8 @@ def test_the_memory_predictor_stands_apart_from_training():
     for name in MODULES:
         if name.startswith("helpers.memory"):
             assert not GRAPH[name] & set(TRAINING), f"{name} imports {sorted(GRAPH[name] & set(TRAINING))}"
-            assert not reachable(name) & set(TRAINING[:2]), f"{name} reaches {sorted(reachable(name) & set(TRAINING[:2]))}"
+            reached = reachable(name) & set(TRAINING[:2])
+            assert not reached, f"{name} reaches {sorted(reached)}"
             if name != "helpers.memory":
                 assert "helpers.memory" not in GRAPH[name], f"{name} imports the front door helpers.memory"
 

@@ -178,8 +178,8 @@ def check_fsdp() -> list[tuple[bool, str]]:
     table = load_table()
     size, length = table["batch_size"], table["seq_len"]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                          "-m", "helpers.memory.cuda_step", "--fsdp", "--batch-size", str(size), "--seq-len", str(length)],
-                         capture_output=True, text=True, timeout=900)
+                          "-m", "helpers.memory.cuda_step", "--fsdp", "--batch-size", str(size),
+                          "--seq-len", str(length)], capture_output=True, text=True, timeout=900)
     try:
         measured = last_json(run.stdout)
     except ValueError:

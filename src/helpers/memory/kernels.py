@@ -27,8 +27,9 @@ class CudaLikeKernels(TorchFunctionMode):
     ``scaled_dot_product_attention`` to the kernel ``gpu`` picks (``helpers.memory.gpu_facts.attention_kernel``);
     its meta registration (torch/_meta_registrations.py) gives the exact shapes it keeps. Flash, cuDNN and
     memory-efficient attention all keep the output and one fp32 log-sum-exp per query (the log of each softmax
-    row's sum, from which backward rebuilds the probabilities), never the L x L probabilities. ``amp_dtype``: cast as CUDA autocast does, including its cache of the
-    parameters' low-precision copies, which lives until the ``with`` block ends.
+    row's sum, from which backward rebuilds the probabilities), never the L x L probabilities. ``amp_dtype``: cast
+    as CUDA autocast does, including its cache of the parameters' low-precision copies, which lives until the
+    ``with`` block ends.
     """
 
     _active: list[CudaLikeKernels] = []  # the kernels entered and not yet left, innermost last
