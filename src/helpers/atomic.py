@@ -69,6 +69,8 @@ def summary(error: BaseException) -> str:
     if isinstance(error, CheckpointException) and error.failures:
         where, (error, _) = min(error.failures.items())
         return f"rank {where}: {summary(error)}"
+    if isinstance(error, OtherProcessFailed):  # its message names the process, the type and the cause
+        return str(error)
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
