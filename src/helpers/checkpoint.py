@@ -428,9 +428,10 @@ def by_parameter(entries: dict[str, object]) -> dict[str, dict[str, object]]:
 
 
 def check_optimizer(file: Path, saved: dict | None, entries_file: Path, entries: dict[str, object],
-                    model: nn.Module, optimizer) -> None:
+                    model: nn.Module, optimizer, every: dict) -> None:
     """Raise CheckpointError if the optimizer state ``saved`` (settings) and ``entries`` (its tensors, read from
-    ``entries_file``) do not fit ``optimizer`` and the parameters of ``model``.
+    ``entries_file``) do not fit ``optimizer``, whose state with every entry is ``every`` (``every_entry``), and
+    the parameters of ``model``.
 
     A parameter may have no saved state at all (Adam makes none for one that never had a gradient, as Net's unused
     pooler); one that has must have exactly what this optimizer keeps for it, in shape and dtype.
@@ -454,7 +455,7 @@ def check_optimizer(file: Path, saved: dict | None, entries_file: Path, entries:
         different = different_settings(theirs, group, extra_allowed=True)  # e.g. a scheduler's initial_lr
         if different:
             raise CheckpointError(f"{file}: the optimizer's settings differ in group {index}: {different}")
-    expected = by_parameter(entries_of(every_entry(model, optimizer)[1]["state"]))
+    expected = by_parameter(entries_of(every["state"]))
     shapes = {name: tuple(p.shape) for name, p in unwrap(model).named_parameters()}
     problems = []
     for parameter, stats in by_parameter(entries).items():
@@ -501,10 +502,12 @@ class OpenCheckpoint:
     state: dict  # state.pt's contents ({} when neither optimizer nor scheduler needs it and it is absent)
     weights: dict[str, torch.Tensor] | None  # model.safetensors' tensors; None for a sharded checkpoint
     shards: Metadata | None  # sharded/'s metadata, read safely; None for full weights
+    every: tuple[dict, dict | None] | None = None  # every_entry of the model and optimizer it was checked against
 
     def load_into(self, model: nn.Module, optimizer=None, scheduler=None) -> dict:
-        """Load weights (and optimizer and scheduler state, if given) into ``model`` in any wrapping; returns
-        ``state.pt``'s contents. With a sharded checkpoint or model, call it on every process.
+        """Load weights (and optimizer and scheduler state, if given) into ``model`` in any wrapping: the ones
+        ``open_checkpoint`` checked. Returns ``state.pt``'s contents. With a sharded checkpoint or model, call it on
+        every process.
 
         DCP reads the shards into new tensors, which replace the model's and the optimizer's only once all are
         read: a shard DCP fails to read (CheckpointError) leaves both as they were. That costs one more copy of
@@ -519,7 +522,7 @@ class OpenCheckpoint:
                 set_state_dict(target, optimizer, model_state_dict=self.weights,
                                optim_state_dict=self.state["optimizer"], options=CHECKED)
         else:  # read into copies of the model's own state dicts (they give each process's shards their places)
-            model_state, optimizer_state = every_entry(target, optimizer)
+            model_state, optimizer_state = self.every if optimizer is not None else every_entry(target, None)
             saved = saved_tensors(self.shards, "optimizer.state.")
             tensors = {"model": {key: torch.empty_like(value) for key, value in model_state.items()}}
             if optimizer is not None:  # only what was saved: Adam saved nothing for a parameter without gradients
@@ -550,7 +553,7 @@ def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    weights, shards = None, None
+    weights, shards, every = None, None, None
     if (path / SHARDED_DIR).is_dir():
         shards = read_shard_metadata(path / SHARDED_DIR)
         check_weights(path / SHARDED_DIR, saved_tensors(shards, "model."), model)
@@ -577,10 +580,11 @@ def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
                        in saved_tensors(shards, "optimizer.state.").items()}
         else:
             entries_file, entries = path / STATE_FILE, entries_of((state["optimizer"] or {}).get("state", {}))
-        check_optimizer(path / STATE_FILE, state["optimizer"], entries_file, entries, model, optimizer)
+        every = every_entry(model, optimizer)  # a step of learning rate 0: made once, for the check and the load
+        check_optimizer(path / STATE_FILE, state["optimizer"], entries_file, entries, model, optimizer, every[1])
     if scheduler is not None:
         check_scheduler(path / STATE_FILE, state["scheduler"], scheduler)
-    return OpenCheckpoint(path, state, weights, shards)
+    return OpenCheckpoint(path, state, weights, shards, every)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> dict:
