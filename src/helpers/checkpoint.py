@@ -584,7 +584,7 @@ def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
         check_optimizer(path / STATE_FILE, state["optimizer"], entries_file, entries, model, optimizer, every[1])
     if scheduler is not None:
         check_scheduler(path / STATE_FILE, state["scheduler"], scheduler)
-    return OpenCheckpoint(path, state, weights, shards, every)
+    return OpenCheckpoint(path, state, weights, shards, every if shards is not None else None)  # DCP's targets
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> dict:
