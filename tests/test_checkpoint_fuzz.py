@@ -96,10 +96,15 @@ def layouts(tmp_path_factory):
     """The three saved runs, each loaded once to check it loads and to learn its weights."""
     root = tmp_path_factory.mktemp("layouts")
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(WORKER), "layouts", str(root)], env=ENV, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    plain_run(root / "plain")
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(WORKER), "layouts", str(root)], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        plain_run(root / "plain")  # meanwhile
+        _, errors = torchrun.communicate(timeout=300)
+    finally:
+        torchrun.kill()
+    assert torchrun.returncode == 0, errors[-3000:]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # FSDP2 in this process
     try:
         built = {}
@@ -129,6 +134,22 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().clone()
 
 
+def changed_classes(saved: dict) -> list[str]:
+    """The attributes that differ from ``saved`` (``class_attributes``), each put back: later cases and tests need
+    them, whatever a load did."""
+    changed = []
+    for obj, attributes in saved.items():
+        for name in set(vars(obj)) | set(attributes):
+            if vars(obj).get(name, saved) is not attributes.get(name, saved):
+                changed.append(f"{getattr(obj, '__name__', obj)}.{name}")
+                target = type if isinstance(obj, type) else object
+                if name in attributes:
+                    target.__setattr__(obj, name, attributes[name])
+                else:
+                    target.__delattr__(obj, name)
+    return changed
+
+
 def snapshot(layout: Layout):
     """Copies of what a load may change: weights, optimizer state and settings, scheduler state."""
     optimizer = layout.optimizer
@@ -150,7 +171,7 @@ def outcome(layout: Layout, may_load: bool) -> str | None:
     try:
         layout.load()
     except CheckpointError as error:
-        if classes != class_attributes():
+        if changed_classes(classes):
             return f"changed a class: {error}"
         if not str(error).startswith(str(layout.root)):
             return f"names no file of the folder: {error}"
@@ -160,8 +181,9 @@ def outcome(layout: Layout, may_load: bool) -> str | None:
             return f"changed the model, optimizer or scheduler: {error}"
         return None
     except BaseException as error:  # the contract: only CheckpointError
+        changed_classes(classes)
         return f"raised {type(error).__name__}: {str(error)[:300]}"
-    if classes != class_attributes():
+    if changed_classes(classes):
         return "loaded, and changed a class"
     if not may_load:
         return "loaded"
@@ -230,9 +252,9 @@ def files_of(layout: Layout) -> list[str]:
 # --- truncation and damage ------------------------------------------------------------------------------------
 
 def offsets(size: int) -> list[int]:
-    """Where to cut a file of ``size`` bytes: in its first bytes (headers), at four places spread over it, and
-    just before its end."""
-    return sorted({0, 1, 8, 64, *(size * k // 5 for k in range(1, 5)), size - 1} & set(range(size)))
+    """Where to cut a file of ``size`` bytes: in its first bytes (headers), at two places further in (past the
+    header every cut is alike), and just before its end."""
+    return sorted({0, 1, 8, 64, size // 3, 2 * size // 3, size - 1} & set(range(size)))
 
 
 @pytest.mark.parametrize("name", ["plain", "ddp", "fsdp"])
@@ -242,7 +264,7 @@ def test_truncated_at_any_offset(layouts, name):
               relative == "latest")  # "step-000001" without its newline still names the checkpoint
              for relative in files_of(layout)
              for offset in offsets(Mutable(layout).path(relative).stat().st_size)]
-    assert len(cases) >= 16
+    assert len(cases) >= 14
     assert run_cases(layout, cases) == []
 
 
@@ -399,7 +421,7 @@ CRAFTED_STATE = {
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["plain", "fsdp"])  # DDP's state.pt is the plain one's, saved by 2 processes
 def test_crafted_pickles(layouts, name):
     layout = layouts[name]
     cases = [(f"state.pt: {label}", torch_saved(change), False) for label, change in CRAFTED_STATE.items()]
@@ -505,7 +527,7 @@ SHARD_CHANGES = {
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["plain", "fsdp"])  # DDP's files are the plain one's
 def test_keys_and_shapes_that_do_not_match(layouts, name):
     layout = layouts[name]
     if name == "fsdp":
