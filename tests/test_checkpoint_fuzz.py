@@ -165,8 +165,9 @@ def unchanged(before, after) -> bool:
             and all(state_dicts_equal(a, b) for a, b in zip(before[1], after[1])) and before[2:] == after[2:])
 
 
-def outcome(layout: Layout, may_load: bool) -> str | None:
-    """Load ``layout`` as it now is; None if the contract held, else what broke it."""
+def outcome(layout: Layout, may_load: bool, caused: bool) -> str | None:
+    """Load ``layout`` as it now is; None if the contract held, else what broke it. ``caused``: the refusal must
+    come from an exception (a parser's, an unpickler's), kept as its cause."""
     before, classes = snapshot(layout), class_attributes()
     try:
         layout.load()
@@ -175,7 +176,7 @@ def outcome(layout: Layout, may_load: bool) -> str | None:
             return f"changed a class: {error}"
         if not str(error).startswith(str(layout.root)):
             return f"names no file of the folder: {error}"
-        if error.__cause__ is not error.__context__:
+        if error.__cause__ is not error.__context__ or caused and error.__cause__ is None:
             return f"dropped its cause ({type(error.__context__).__name__}): {error}"
         if not unchanged(before, snapshot(layout)):
             return f"changed the model, optimizer or scheduler: {error}"
@@ -228,14 +229,15 @@ class Mutable:
         self.originals = {}
 
 
-def run_cases(layout: Layout, cases: list[tuple[str, object, bool]]) -> list[str]:
-    """Apply each (name, mutate(files), may_load) to the layout's folder, check the contract, restore it."""
+def run_cases(layout: Layout, cases: list[tuple[str, object, bool]], caused: bool = False) -> list[str]:
+    """Apply each (name, mutate(files), may_load) to the layout's folder, check the contract (``outcome``),
+    restore the folder."""
     broken = []
     for name, mutate, may_load in cases:
         files = Mutable(layout)
         try:
             mutate(files)
-            problem = outcome(layout, may_load)
+            problem = outcome(layout, may_load, caused)
         finally:
             files.restore()
         if problem:
@@ -260,12 +262,13 @@ def offsets(size: int) -> list[int]:
 @pytest.mark.parametrize("name", ["plain", "ddp", "fsdp"])
 def test_truncated_at_any_offset(layouts, name):
     layout = layouts[name]
-    cases = [(f"{relative} cut at {offset:,}", lambda f, r=relative, o=offset: f.write(r, f.read(r)[:o]),
-              relative == "latest")  # "step-000001" without its newline still names the checkpoint
-             for relative in files_of(layout)
-             for offset in offsets(Mutable(layout).path(relative).stat().st_size)]
-    assert len(cases) >= 14
-    assert run_cases(layout, cases) == []
+    cases = {parsed: [(f"{relative} cut at {offset:,}", lambda f, r=relative, o=offset: f.write(r, f.read(r)[:o]),
+                       relative == "latest")  # "step-000001" without its newline still names the checkpoint
+                      for relative in files_of(layout) if (relative in (MODEL_FILE, STATE_FILE, METADATA)) == parsed
+                      for offset in offsets(Mutable(layout).path(relative).stat().st_size)]
+             for parsed in (True, False)}  # parsed: the refusal comes from the parser's exception
+    assert len(cases[True]) + len(cases[False]) >= 14
+    assert run_cases(layout, cases[True], caused=True) + run_cases(layout, cases[False]) == []
 
 
 def flipped(data: bytes, offset: int) -> bytes:
@@ -304,7 +307,6 @@ CRAFTED_METADATA = {
     "FRAME of 2**62 bytes": b"\x80\x04\x95" + LENGTH + b"N.",
     "BYTEARRAY8 of 2**62 bytes": b"\x80\x05\x96" + LENGTH + b".",
     "LONG4 of 2**31 bytes": b"\x80\x02\x8b" + (2**31 - 1).to_bytes(4, "little") + b".",
-    "lists nested 100,000 deep": b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".",
     "global builtins.eval": b"\x80\x04cbuiltins\neval\n\x8c\x011\x85R.",
     "global os.system": b"\x80\x04cos\nsystem\n\x8c\x04true\x85R.",
     "global torch.load": b"\x80\x04ctorch\nload\n.",
@@ -314,8 +316,13 @@ CRAFTED_METADATA = {
     "an unknown layout": b"\x80\x04ctorch.serialization\n_get_layout\n\x8c\x02no\x85R.",
     "a missing memo entry": b"\x80\x04h\x05.",
     "STOP on an empty stack": b"\x80\x04.",
-    "a list instead of Metadata": b"\x80\x04].",
 }
+"""Pickles the unpickler refuses, or fails on: the refusal keeps that exception as its cause."""
+NOT_METADATA = {
+    "a list instead of Metadata": b"\x80\x04].",
+    "lists nested 100,000 deep": b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".",
+}
+"""Pickles that unpickle, into something else than DCP's Metadata."""
 
 
 def rewritten_metadata(change):
@@ -425,11 +432,13 @@ CRAFTED_STATE = {
 def test_crafted_pickles(layouts, name):
     layout = layouts[name]
     cases = [(f"state.pt: {label}", torch_saved(change), False) for label, change in CRAFTED_STATE.items()]
-    if name == "fsdp":
-        cases += [(f".metadata: {label}", lambda f, d=data: f.write(METADATA, d), False)
-                  for label, data in CRAFTED_METADATA.items()]
-        cases += [(f".metadata: {label}", rewritten_metadata(change), False) for label, change in WRONG_FIELDS.items()]
-    assert run_cases(layout, cases) == []
+    cases += [(f".metadata: {label}", rewritten_metadata(change), False) for label, change in WRONG_FIELDS.items()
+              if name == "fsdp"]
+    cases += [(f".metadata: {label}", lambda f, d=data: f.write(METADATA, d), False)
+              for label, data in NOT_METADATA.items() if name == "fsdp"]
+    unpickled = [(f".metadata: {label}", lambda f, d=data: f.write(METADATA, d), False)
+                 for label, data in CRAFTED_METADATA.items() if name == "fsdp"]
+    assert run_cases(layout, cases) + run_cases(layout, unpickled, caused=True) == []
 
 
 # --- missing and extra files ------------------------------------------------------------------------------------
