@@ -159,10 +159,12 @@ class MetadataUnpickler(pickle._Unpickler):
 
     def load_build(self):
         target, state = self.stack[-2], self.stack[-1]
-        if self.made.get(id(target)) is not target:
-            what = (f"the class {target.__module__}.{target.__qualname__}" if isinstance(target, type)
-                    else f"a {type(target).__name__} it did not make")
-            raise RefusedOperation(f"it sets attributes of {what} (BUILD), which would change it for the whole process")
+        if isinstance(target, type):
+            raise RefusedOperation(f"it sets attributes of the class {target.__module__}.{target.__qualname__} "
+                                   f"(BUILD), which would change it for the whole process")
+        if self.made.get(id(target)) is not target:  # an enum member, say, is shared by the whole process too
+            raise RefusedOperation(f"it sets attributes of a {type(target).__name__} (BUILD), which is not an "
+                                   f"instance of DCP's metadata classes that this file made")
         odd = [name for name in attribute_names(state) if not isinstance(name, str) or name.startswith("__")]
         if odd:
             raise RefusedOperation(f"it sets the attribute {odd[0]!r} of a {type(target).__name__} (BUILD)")
