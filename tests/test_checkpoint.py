@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, full_weights,
-                                load_checkpoint, rng_state, save_checkpoint, set_rng_state, state_dicts_equal)
+from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, epoch_start_state,
+                                full_weights, load_checkpoint, rng_state, save_checkpoint, set_rng_state,
+                                state_dicts_equal)
 from helpers.checkpoint_files import SHARDED_DIR, read_shard_metadata, saved_tensors
 from helpers.wrapping import unwrap
 
@@ -392,8 +393,10 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", save_half_then_fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'step-000002'}: not saved \(OSError: \[Errno 28\] No "
+                                              r"space left on device\)$") as refused:
         checkpoints.save(model, optimizer, scheduler, Progress(step=2))
+    assert isinstance(refused.value.__cause__, OSError)
     monkeypatch.undo()
     assert checkpoints.latest() == tmp_path / "step-000001" and not (tmp_path / "step-000002").exists()
     load_checkpoint(checkpoints.latest(), *trained(seed=1))  # still loads
@@ -402,12 +405,339 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001", "step-000003"]
 
 
-def test_saving_the_same_step_again_replaces_it(tmp_path):
+def test_saving_the_same_step_again_replaces_it_under_a_new_name(tmp_path):
+    """The old folder goes only once ``latest`` names the new one: a kill in between leaves one that loads."""
     checkpoints = Checkpoints(tmp_path)
-    for seed in (0, 1):
+    for seed in (0, 1, 2):
         model, optimizer, scheduler = trained(seed)
         checkpoints.save(model, optimizer, scheduler, Progress(step=1))
-    loaded = trained(seed=2)[0]
+    loaded = trained(seed=3)[0]
     load_checkpoint(checkpoints.latest(), loaded)
     assert state_dicts_equal(loaded.state_dict(), model.state_dict())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001-3"]
+
+
+# --- the contract, case by case: one CheckpointError naming the file, the cause kept, nothing changed -----------
+
+def refused(path, match, model, optimizer=None, scheduler=None, resume_with=None, check=None):
+    """Loading ``path`` (or resuming from its folder, ``resume_with`` a loader, ``check`` as fit's) raises one
+    CheckpointError matching
+    ``match``, whose cause is the exception it comes from, if any; model, optimizer, scheduler and the classes a
+    checkpoint's pickles name are unchanged. Returns the error."""
+    before, classes = snapshot(model, optimizer, scheduler), class_attributes()
+    try:
+        with pytest.raises(CheckpointError, match=match) as caught:
+            if resume_with is None:
+                load_checkpoint(path, model, optimizer, scheduler)
+            else:
+                Checkpoints(path).resume(model, optimizer, scheduler, resume_with,
+                                         **({} if check is None else {"check": check}))
+    finally:
+        changed = restore_class_attributes(classes)  # the rest of the session needs them, whatever happened
+    assert not changed, f"classes changed by loading: {changed}"
+    assert caught.value.__cause__ is caught.value.__context__, "the cause was dropped or replaced"
+    after = snapshot(model, optimizer, scheduler)
+    assert state_dicts_equal(after[0], before[0]) and after[1].keys() == before[1].keys()
+    assert all(state_dicts_equal(after[1][key], before[1][key]) for key in before[1])
+    assert after[2:] == before[2:]
+    return caught.value
+
+
+def snapshot(model, optimizer, scheduler):
+    """Copies of everything loading may change: full weights, optimizer state (local tensors) and settings,
+    scheduler state."""
+    weights = {key: value.clone() for key, value in full_weights(model).items()}
+    state = {} if optimizer is None else {
+        index: {name: (value.to_local() if hasattr(value, "to_local") else value).clone()
+                for name, value in optimizer.state[p].items()}
+        for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+        if p in optimizer.state}
+    groups = None if optimizer is None else repr([{k: v for k, v in g.items() if k != "params"}
+                                                  for g in optimizer.param_groups])
+    return weights, state, groups, None if scheduler is None else repr(scheduler.state_dict())
+
+
+def class_attributes() -> dict:
+    """The attributes of every class (and enum member) a checkpoint's pickles may name, by object."""
+    import pathlib
+
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    objects = [pathlib.Path, pathlib.PurePath, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
+               pathlib.PureWindowsPath, _StorageInfo, torch.Size, *(getattr(metadata, name) for name in (
+                   "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                   "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+               *metadata._MEM_FORMAT_ENCODING]
+    return {obj: dict(vars(obj)) for obj in objects}
+
+
+def restore_class_attributes(saved: dict) -> list[str]:
+    """Put back every attribute ``class_attributes`` saw; the names of those that had changed."""
+    changed = []
+    for obj, attributes in saved.items():
+        for name in set(vars(obj)) | set(attributes):
+            if vars(obj).get(name, saved) is not attributes.get(name, saved):
+                changed.append(f"{getattr(obj, '__name__', obj)}.{name}")
+                if name in attributes:
+                    type.__setattr__(obj, name, attributes[name]) if isinstance(obj, type) else \
+                        obj.__dict__.__setitem__(name, attributes[name])
+                else:
+                    type.__delattr__(obj, name) if isinstance(obj, type) else obj.__dict__.pop(name)
+    return changed
+
+
+def rewrite_metadata(checkpoint, change) -> Path:
+    """Apply ``change`` to the checkpoint's DCP metadata (unpickled here: the test wrote it) and write it back."""
+    file = checkpoint / SHARDED_DIR / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    change(metadata)
+    file.write_bytes(pickle.dumps(metadata))
+    return file
+
+
+class Reduce:
+    """Pickles as ``function(*arguments)``, then BUILD with ``state`` if given: a way to craft a pickle."""
+
+    def __init__(self, function, arguments=(), state=None):
+        self.reduced = (function, arguments) if state is None else (function, arguments, state)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+@pytest.mark.parametrize("build", ["path class", "metadata class", "enum member"])
+def test_a_pickle_that_sets_attributes_of_a_shared_object_is_refused_and_changes_nothing(sharded_saved, build):
+    """Pickle's BUILD sets attributes of any object: of an allowed class (PosixPath.exists = None, for every
+    later caller in the process), or of an enum member it looked up. Only fresh instances may be built."""
+    file = sharded_saved / SHARDED_DIR / ".metadata"
+    if build == "path class":  # GLOBAL pathlib.PosixPath; state (None, {"exists": None}); BUILD
+        file.write_bytes(b"\x80\x04cpathlib\nPosixPath\nN}\x8c\x06existsNs\x86b.")
+        what = "the class pathlib.PurePosixPath"  # what PosixPath is read as (checkpoint_files.PATHS)
+    elif build == "metadata class":
+        file.write_bytes(b"\x80\x04ctorch.distributed.checkpoint.metadata\nTensorStorageMetadata\n"
+                         b"N}\x8c\x06__eq__Ns\x86b.")
+        what = "the class torch.distributed.checkpoint.metadata.TensorStorageMetadata"
+    else:  # _MEM_FORMAT_ENCODING(0), the member TORCH_CONTIGUOUS_FORMAT; BUILD {"_value_": 7}
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+        file.write_bytes(pickle.dumps(Reduce(_MEM_FORMAT_ENCODING, (0,), {"_value_": 7}), protocol=4))
+        what = "a _MEM_FORMAT_ENCODING"
+    assert len(file.read_bytes()) < 120
+    error = refused(sharded_saved, rf"^{file}: refused to load: it sets attributes of {what} \(BUILD\), which ", Tiny())
+    assert "BUILD" in str(error.__cause__)
+
+
+def test_a_length_field_larger_than_the_file_is_refused_before_memory_is_allocated(sharded_saved):
+    file = sharded_saved / SHARDED_DIR / ".metadata"
+    file.write_bytes(b"\x80\x04\x8e" + (2**62).to_bytes(8, "little") + b"x.")  # BINBYTES8 of 2**62 bytes
+    error = refused(sharded_saved, rf"^{file}: not a readable DCP metadata file, it may be truncated or damaged \(a "
+                                   r"length field at byte 11 claims 4,611,686,018,427,387,904 bytes; 2 remain\)$",
+                    Tiny())
+    assert isinstance(error.__cause__, EOFError)
+
+
+def test_an_error_raised_while_unpickling_is_one_checkpoint_error(sharded_saved):
+    """TensorProperties.__setstate__ raises RuntimeError for a memory-format code it does not know."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    def bad_properties(metadata):
+        metadata.state_dict_metadata["model.linear.weight"].properties = Reduce(
+            TensorProperties, (), (torch.float32, torch.strided, False, "no such code", False))
+
+    file = rewrite_metadata(sharded_saved, bad_properties)
+    error = refused(sharded_saved, rf"^{file}: not a readable DCP metadata file, it may be truncated or damaged "
+                                   r"\(Invalid torch.memory_format encoding: no such code\)$", Tiny())
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+def overlapping_chunks(metadata, name):
+    """Two chunks of ``name`` (4 values) that hold 4 values together but overlap, each with its place."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    place = next(place for index, place in metadata.storage_data.items() if index.fqn == name)
+    metadata.state_dict_metadata[name].chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([2])),
+                                                 ChunkStorageMetadata(torch.Size([1]), torch.Size([2]))]
+    metadata.storage_data[MetadataIndex(name, (1,))] = place
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda m: setattr(next(iter(m.storage_data.values())), "offset", "0"),
+     r"model.linear.weight: its place in a data file is \['__0_0.distcp', '0', \d+\]"),
+    (lambda m: setattr(m.state_dict_metadata["model.linear.weight"], "properties", None),
+     "model.linear.weight: its properties are not a TensorProperties with a dtype"),
+    (lambda m: setattr(m, "state_dict_metadata", [1, 2]), "state_dict_metadata is not a dict of names"),
+    (lambda m: m.state_dict_metadata["model.linear.weight"].chunks[0].__dict__.update(sizes=torch.Size([2, 3])),
+     "model.linear.weight: its chunks hold 6 of its 12 values"),
+    (lambda m: overlapping_chunks(m, "model.norm.bias"), r"model.norm.bias: the chunks at \(0,\) and \(1,\) overlap"),
+], ids=["offset-as-text", "properties-none", "entries-a-list", "chunks-short", "chunks-overlap"])
+def test_fields_of_the_wrong_type_or_size_are_refused(sharded_saved, change, problem):
+    """Checked field by field: otherwise AttributeError or TypeError in the checks, or (chunks that cover only part
+    of a tensor) DCP reads half of it and the rest keeps the values the model had."""
+    file = rewrite_metadata(sharded_saved, change)
+    refused(sharded_saved, rf"^{file}: not DCP metadata as torch.distributed.checkpoint writes it: {problem}$", Tiny())
+
+
+def test_a_checkpoint_saved_on_windows_reads_on_linux(sharded_saved, tmp_path):
+    """DCP records where it saved as the OS's Path class; each OS refuses to make the other's (Linux a
+    WindowsPath, Windows a PosixPath). Read as pure paths, the metadata loads on every OS."""
+    import pathlib
+
+    def saved_on_windows(metadata):
+        metadata.storage_meta.checkpoint_id = Reduce(pathlib.WindowsPath, ("C:\\runs", "step-000002", "sharded"))
+
+    rewrite_metadata(sharded_saved, saved_on_windows)
+    metadata = read_shard_metadata(sharded_saved / SHARDED_DIR)
+    assert metadata.storage_meta.checkpoint_id == pathlib.PureWindowsPath(r"C:\runs\step-000002\sharded")
+    model, optimizer, scheduler = trained(seed=1, sharded=True)
+    load_checkpoint(sharded_saved, model, optimizer, scheduler)
+    assert state_dicts_equal(full_weights(model), full_weights(trained(seed=0, sharded=True)[0]))
+
+
+def test_a_shard_dcp_cannot_read_is_one_checkpoint_error_and_changes_nothing(sharded_saved):
+    """DCP's failures are CheckpointException, a BaseException that `except Exception` misses; the model and the
+    optimizer take nothing from a load that failed halfway."""
+    data = sharded_saved / SHARDED_DIR / "__0_0.distcp"
+    metadata = read_shard_metadata(sharded_saved / SHARDED_DIR)
+    last = max(metadata.storage_data.values(), key=lambda place: place.offset)  # read after the others
+    damaged = bytearray(data.read_bytes())
+    damaged[last.offset:last.offset + 4] = b"\0\0\0\0"  # the zip header of torch.save's bytes for that entry
+    data.write_bytes(bytes(damaged))
+    model, optimizer, scheduler = trained(seed=1, sharded=True)
+    error = refused(sharded_saved, rf"^{sharded_saved / SHARDED_DIR}: torch.distributed.checkpoint could not read it "
+                                   r"\(rank 0: UnpicklingError: Weights only load failed", model, optimizer, scheduler)
+    assert type(error.__cause__).__name__ == "CheckpointException"
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda m: setattr(m.state_dict_metadata["optimizer.state.linear.weight.exp_avg"].properties, "dtype",
+                       torch.float64),
+     r"linear.weight: saved exp_avg \(4, 3\) torch.float64, exp_avg_sq \(4, 3\) torch.float32, step \(\) "
+     r"torch.float32, this optimizer keeps exp_avg \(4, 3\) torch.float32"),
+    (lambda m: m.state_dict_metadata.pop("optimizer.state.norm.bias.exp_avg_sq"),
+     r"norm.bias: saved exp_avg \(4,\) torch.float32, step \(\) torch.float32, this optimizer keeps exp_avg "),
+], ids=["dtype", "missing-moment"])
+def test_optimizer_entries_are_checked_against_the_optimizer_before_dcp_reads_them(sharded_saved, change, problem):
+    """Otherwise DCP casts a float64 moment silently, or fails on a missing one with CheckpointException."""
+    file = rewrite_metadata(sharded_saved, change)
+    model, optimizer, scheduler = trained(seed=1, sharded=True)
+    refused(sharded_saved, rf"^{file}: the optimizer state saved does not fit this optimizer: {problem}", model,
+            optimizer, scheduler)
+
+
+class WithUnused(nn.Module):
+    """Tiny with a layer that forward never uses, as Net with --keep-pooler: Adam makes no state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = Tiny(), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_a_parameter_without_optimizer_state_resumes_exactly(sharded, process_group, tmp_path):
+    """FSDP2 with --keep-pooler died on resume: 'Missing key in checkpoint state_dict:
+    optimizer.state.bert.pooler.dense.weight.step' (the fresh optimizer asked for the pooler's state)."""
+    def start(seed):
+        torch.manual_seed(seed)
+        model = WithUnused()
+        if sharded:
+            fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(model, optimizer):
+        model(torch.randn(5, 3, generator=torch.Generator().manual_seed(len(optimizer.state) + 7))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = start(seed=0)
+    step(model, optimizer)
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    resumed, resumed_optimizer = start(seed=1)
+    load_checkpoint(tmp_path / "checkpoint", resumed, resumed_optimizer)
+    assert len(resumed_optimizer.state) == len(optimizer.state) == 4  # used.linear and used.norm, not unused
+    step(model, optimizer)
+    step(resumed, resumed_optimizer)
+    assert state_dicts_equal(full_weights(resumed), full_weights(model))
+
+
+@pytest.mark.parametrize(("file_name", "damage", "cause"), [
+    (MODEL_FILE, lambda data: data[:200], "SafetensorError"),
+    (STATE_FILE, lambda data: data[:300], "RuntimeError"),
+    (STATE_FILE, None, "UnpicklingError"),
+])
+def test_every_refusal_keeps_the_exception_it_comes_from_as_its_cause(saved, file_name, damage, cause):
+    file = saved / file_name
+    if damage is None:
+        torch.save({"optimizer": Payload(saved / "marker")}, file)
+    else:
+        file.write_bytes(damage(file.read_bytes()))
+    model, optimizer, scheduler = trained(seed=1)
+    error = refused(saved, f"^{file}: ", model, optimizer, scheduler)
+    assert type(error.__cause__).__name__ == cause
+
+
+def with_state(checkpoint, change) -> Path:
+    """Apply ``change`` to the checkpoint's state.pt (loaded here: the test wrote it) and save it back."""
+    file = checkpoint / STATE_FILE
+    state = torch.load(file, weights_only=True)
+    change(state)
+    torch.save(state, file)
+    return file
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda s: s["scheduler"].update(last_epoch="2"), "the scheduler state differs from this LambdaLR's: "
+                                                      r"'last_epoch' saved as '2', it has 0"),
+    (lambda s: s["scheduler"].update(optimizer=None), "the scheduler state differs from this LambdaLR's: "
+                                                      "'optimizer' saved, which it does not have"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(lr="0.1"),
+     r"the optimizer's settings differ in group 0: 'lr' saved as '0.1', it has [\d.]+$"),
+    (lambda s: s["progress"].update(steps=1), r"not a checkpoint's state as save_checkpoint writes it: progress: "
+                                              r"holds \['step', 'epoch', 'batch', 'history', 'steps'\]"),
+], ids=["scheduler-type", "scheduler-extra", "optimizer-setting", "progress-extra"])
+def test_state_of_the_wrong_kind_is_refused_before_loading(saved, change, problem):
+    """Otherwise load_state_dict sets a text where a number belongs (the scheduler even takes any key as an
+    attribute), and the run fails later, far from the file."""
+    file = with_state(saved, change)
+    model, optimizer, scheduler = trained(seed=1)
+    scheduler.last_epoch = 0
+    refused(saved, rf"^{file}: {problem}", model, optimizer, scheduler)
+
+
+def saved_run(directory, **progress):
+    """A Checkpoints folder with one checkpoint of ``trained()`` as fit saves it (random and data order states)."""
+    model, optimizer, scheduler = trained(seed=0)
+    loader = torch.utils.data.DataLoader(range(8), shuffle=True, generator=torch.Generator().manual_seed(0))
+    progress = Progress(**{"step": 2, "epoch": 0, "batch": 2} | progress)
+    progress.epoch_start = epoch_start_state(loader)
+    Checkpoints(directory).save(model, optimizer, scheduler, progress)
+    return Checkpoints(directory).latest(), loader
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda s: s["per_process"][0]["rng"].update(torch=torch.zeros(3, dtype=torch.uint8)),
+     r"per_process\[0\]: rng: Expected a CPUGeneratorImplState of size 5056 but found the input RNG state size "
+     r"to be 3$"),
+    (lambda s: s["per_process"][0]["epoch_start"].update(loader=torch.zeros(3)),
+     r"per_process\[0\]: epoch_start: loader: "),
+    (lambda s: s["progress"].update(step=-1), "progress: step, epoch and batch are not counts"),
+], ids=["rng", "loader-rng", "negative-step"])
+def test_resuming_checks_random_states_and_progress_before_loading(tmp_path, change, problem):
+    """Otherwise they fail after the weights were loaded, halfway through a resume."""
+    path, loader = saved_run(tmp_path)
+    file = with_state(path, change)
+    model, optimizer, scheduler = trained(seed=1)
+    refused(tmp_path, rf"^{file}: not a checkpoint's state as save_checkpoint writes it: {problem}", model,
+            optimizer, scheduler, resume_with=loader)
+
+
+def test_a_checkpoint_of_another_batch_size_is_refused_before_loading(tmp_path):
+    """fit's check that the run can stand where the checkpoint does (check_steps) runs before anything is loaded."""
+    from helpers.train import check_steps
+
+    path, loader = saved_run(tmp_path, step=3, batch=3)
+    model, optimizer, scheduler = trained(seed=1)
+    refused(tmp_path, rf"^{path / STATE_FILE}: the checkpoint stands at optimizer step 3 \(epoch 1, batch 3\), where a "
+                      "run of 8 batches per epoch and 2 per optimizer step never stands", model, optimizer, scheduler,
+            resume_with=loader, check=lambda progress: check_steps(progress, batches=8, accumulation=2))

@@ -1,9 +1,19 @@
 """Write a file or a folder so that it appears complete or not at all, even if the process is killed midway.
 
 Everything is written under a temporary name (``.tmp-...``) beside its final place, flushed to disk with
-``fsync``, and then renamed: within one file system a rename has no half-done state. The folder's own entry is
-flushed too, so that the rename survives a power cut. A kill leaves at most a ``.tmp-...`` entry behind, which
-``remove_temporaries`` clears before the next write.
+``fsync``, and then renamed: within one file system a rename has no half-done state. On Linux and macOS the
+folder's own entry is flushed too, so that the rename survives a power cut. A kill leaves at most a ``.tmp-...``
+entry behind, which ``remove_temporaries`` clears before the next write.
+
+Several processes writing one folder together agree on the outcome (``same_outcome``): if one fails, all raise
+at once, instead of the others waiting for it at the next collective until the process group's timeout.
+
+Windows (reasoned from Python's documentation, not run here): a folder cannot be opened as a file there
+(``os.open`` raises PermissionError), so its entry is not flushed (``SYNC_FOLDERS``; other projects do the same,
+e.g. influxdata/influxdb builds its ``SyncDir`` in pkg/file/file_unix.go only off Windows). ``os.fsync`` there
+is ``_commit``, which refuses a file opened read-only, so files are flushed through a handle opened for writing.
+``os.rename`` refuses an existing target there: folders are renamed only to free names, files are replaced with
+``os.replace``.
 """
 
 from __future__ import annotations
@@ -16,14 +26,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
-from helpers.distributed import rank, with_others
+from helpers.distributed import agree_on_problem, rank, with_others
 
 TEMPORARY_PREFIX = ".tmp-"
+SYNC_FOLDERS = os.name != "nt"
+"""Whether a folder's entry can be flushed: opening a folder (``os.open``) raises PermissionError on Windows."""
+FAILURES = (Exception, CheckpointException)
+"""What a write can raise; torch.distributed.checkpoint's CheckpointException is a BaseException."""
 
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in ``path`` survive a power cut (the folder's entry is data too)."""
+    if not SYNC_FOLDERS:
+        return
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -32,7 +49,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_file(path: Path) -> None:
-    with open(path, "rb") as file:
+    """Flush a file someone else wrote (torch.save, safetensors) to disk, through a handle that may write."""
+    with open(path, "r+b") as file:
         os.fsync(file.fileno())
 
 
@@ -46,27 +64,69 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def summary(error: BaseException) -> str:
+    """One line for ``error``: its type and message (for DCP's CheckpointException, the first failed rank's)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        where, (error, _) = min(error.failures.items())
+        return f"rank {where}: {summary(error)}"
+    if isinstance(error, OtherProcessFailed):  # its message names the process, the type and the cause
+        return str(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class OtherProcessFailed(RuntimeError):
+    """Raised on every process of a collective write where another process's part of it failed."""
+
+
+def same_outcome(error: BaseException | None) -> None:
+    """Once every process has tried its part of a write, make them agree: if any failed, each raises at once,
+    the failed ones their own error, the others OtherProcessFailed naming the first that failed and why.
+
+    A collective: call it on every process. Without it the processes that succeeded would wait for a failed one
+    at their next collective, until the process group's timeout (30 minutes by default).
+    """
+    problem = agree_on_problem(None if error is None else summary(error))
+    if error is not None:
+        raise error
+    if problem is not None:
+        raise OtherProcessFailed(problem)
+
+
 @contextmanager
 def atomic_folder(path: Path, every_process: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary folder beside ``path``; when the block ends, it becomes ``path`` (replacing an
-    older one of that name). Whoever writes a file into it flushes it (``fsync_file``) before the block ends.
+    """Yield an empty temporary folder beside ``path``; when the block ends, it becomes ``path``. Whoever writes a
+    file into it flushes it (``fsync_file``) before the block ends.
 
     ``every_process``: all processes of the group write into the same folder (a collective: call it on every
-    process); rank 0 renames it once all have finished. Otherwise only the caller writes. If the block raises,
-    nothing is renamed and the temporary folder stays for ``remove_temporaries``.
+    process); rank 0 renames it once all have finished. Otherwise only the caller writes. If the block raises on
+    any process, every process raises (``same_outcome``), nothing is renamed and the temporary folder stays for
+    ``remove_temporaries``. An existing ``path`` is replaced (``replace_folder``), with a moment in which a kill
+    leaves no folder there: a folder that must always exist goes under a new name, as helpers.checkpoint's do.
     """
     shared = every_process and with_others()
     renames = rank() == 0 or not shared
     temporary = [Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent)) if renames else None]
     if shared:
         dist.broadcast_object_list(temporary, src=0)
-    yield temporary[0]
+    error = None
+    try:
+        yield temporary[0]
+    except FAILURES as raised:
+        error = raised
     if shared:
-        dist.barrier()  # every process has written and flushed its files
+        same_outcome(error)  # every process has written and flushed its files, or all raise
+    elif error is not None:
+        raise error
+    error = None
     if renames:
-        replace_folder(temporary[0], path)
+        try:
+            replace_folder(temporary[0], path)
+        except FAILURES as raised:
+            error = raised
     if shared:
-        dist.barrier()  # no process goes on before ``path`` exists
+        same_outcome(error)  # no process goes on before ``path`` exists
+    elif error is not None:
+        raise error
 
 
 def replace_folder(temporary: Path, path: Path) -> None:
@@ -75,13 +135,21 @@ def replace_folder(temporary: Path, path: Path) -> None:
         if folder.is_dir():
             fsync_dir(folder)
     old = None
-    if path.exists():  # the same name again (a run restarted from scratch): move the old one out of the way
+    if path.exists():  # the same name again: move the old one out of the way (Windows cannot rename over it)
         old = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent))
         path.rename(old / path.name)
     temporary.rename(path)
     fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+def remove_folder(path: Path) -> None:
+    """Remove the folder ``path``; it is first renamed to a temporary name, so that a kill midway leaves no
+    half-removed folder under its name, only a temporary one for ``remove_temporaries``."""
+    aside = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX, dir=path.parent))
+    path.rename(aside / path.name)
+    shutil.rmtree(aside)
 
 
 def remove_temporaries(directory: Path) -> None:

@@ -180,8 +180,9 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     """
     progress, resume_rng = Progress(), None
     if checkpoints is not None and resume:
-        progress, resume_rng = checkpoints.resume(model, optimizer, scheduler, train_loader)
-        check_steps(progress, len(train_loader), accumulation)
+        progress, resume_rng = checkpoints.resume(  # checked before anything is loaded
+            model, optimizer, scheduler, train_loader, check=lambda saved: check_steps(saved, len(train_loader),
+                                                                                        accumulation))
         if progress.step:
             say(f"resumed at step {progress.step}: epoch {progress.epoch + 1}, batch {progress.batch}")
     for epoch in range(progress.epoch + 1, epochs + 1):
