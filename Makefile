@@ -26,7 +26,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_BUILD = $(PYTHON) tools/torch_build.py --torch $(TORCH) --cpu-index $(TORCH_CPU_INDEX)
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab venv venv-check test unit notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
+.PHONY: lab venv venv-check test unit prose notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so. It opens on 00_setup.ipynb (what
 # WORKSHOP.md runs first), with the lab settings of jupyter-config/ (no news prompt) as defaults under the user's own.
@@ -47,6 +47,11 @@ test: venv-check $(if $(NB),$(STAMP),$(DEV_STAMP))
 
 unit: venv-check $(DEV_STAMP)
 	$(BIN)/python -m pytest tests
+
+# The notebooks' Japanese prose: textlint (versions in package-lock.json, rules in .textlintrc.json, terms in
+# glossary.yml; `npm ci` installs it the first time) and each lesson's size. Without Node.js: one line, sizes only.
+prose: $(STAMP)
+	$(BIN)/python -m helpers.checks.prose
 
 # Re-execute every notebook top to bottom, in place, so committed outputs are the code's own.
 # The second pass merges stream chunks, whose split depends on timing, so re-runs give identical files.
