@@ -72,11 +72,11 @@ notebooks: $(STAMP)
 docs: $(DEV_STAMP)
 	$(BIN)/python docs/build.py build/site $(if $(filter undefined,$(origin GPU_RUNS)),,--gpu-runs $(GPU_RUNS))
 
-# Side-by-side timings; writes benchmarks/results.md and the table in README.md. BENCH_ARGS="--repeats 5"
+# Side-by-side timings; writes benchmarks/results.md and the table in CONTRIBUTING.md. BENCH_ARGS="--repeats 5"
 bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
-# Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
+# Rebuild the bundled offline model (committed; CONTRIBUTING.md says why). About a minute on 2 cores.
 # Rebuilds the bundled model; downloads the pinned ja-ginza wheel (59 MB, chiVe's word vectors) once into
 # ~/.cache/helpers-build/ (CACHE=... to change), checked by SHA-256. Nothing it needs joins requirements.txt.
 CACHE ?= $(HOME)/.cache/helpers-build
