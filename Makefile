@@ -10,6 +10,9 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/s
 # Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit: one definition, in
 # src/helpers/checks/notebook_env.py (pytest's conftest.py and gpu-check read the same; it needs no torch).
 NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env)
+# The stored outputs are a CPU's: `make notebooks` makes them and `make test` compares them with every GPU hidden
+# (CUDA_VISIBLE_DEVICES=, also set by conftest.py), on any machine; `make gpu-check` runs the notebooks on the GPUs.
+CPU_NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env --gpus-hidden)
 NBVAL := --nbval --nbval-current-env
 # make test NB=03  (or NB="03 solutions/03", or a path): those notebooks only, under nbval, without the unit tests
 NB_FILES := $(foreach nb,$(NB),$(or $(wildcard $(nb)),$(wildcard notebooks/$(nb)*.ipynb),$(error NB=$(nb): no notebook notebooks/$(nb)*.ipynb)))
@@ -26,7 +29,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_BUILD = $(PYTHON) tools/torch_build.py --torch $(TORCH) --cpu-index $(TORCH_CPU_INDEX)
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab venv venv-check test unit notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
+.PHONY: lab venv venv-check test unit prose notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so. It opens on 00_setup.ipynb (what
 # WORKSHOP.md runs first), with the lab settings of jupyter-config/ (no news prompt) as defaults under the user's own.
@@ -42,17 +45,23 @@ venv: venv-check $(STAMP)
 venv-check:
 	@$(TORCH_BUILD) check $(BIN)/python
 
+# Ends with one line saying what it compared, and that it ran with the GPUs hidden where there are any (conftest.py).
 test: venv-check $(if $(NB),$(STAMP),$(DEV_STAMP))
-	$(NB_ENV) $(BIN)/python -m pytest $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
+	$(CPU_NB_ENV) $(BIN)/python -m pytest $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
 
 unit: venv-check $(DEV_STAMP)
-	$(BIN)/python -m pytest tests
+	$(CPU_NB_ENV) $(BIN)/python -m pytest tests
 
-# Re-execute every notebook top to bottom, in place, so committed outputs are the code's own.
+# The notebooks' Japanese prose: textlint (versions in package-lock.json, rules in .textlintrc.json, terms in
+# glossary.yml; `npm ci` installs it the first time) and each lesson's size. Without Node.js: one line, sizes only.
+prose: $(STAMP)
+	$(BIN)/python -m helpers.checks.prose
+
+# Re-execute every notebook top to bottom, in place, so committed outputs are the code's own (a CPU's, GPUs hidden).
 # The second pass merges stream chunks, whose split depends on timing, so re-runs give identical files.
 notebooks: $(STAMP)
 	for nb in $(NOTEBOOKS); do \
-	  $(NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  $(CPU_NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
 	  $(BIN)/jupyter nbconvert --to notebook --inplace --coalesce-streams "$$nb" || exit 1; \
 	done
@@ -63,11 +72,11 @@ notebooks: $(STAMP)
 docs: $(DEV_STAMP)
 	$(BIN)/python docs/build.py build/site $(if $(filter undefined,$(origin GPU_RUNS)),,--gpu-runs $(GPU_RUNS))
 
-# Side-by-side timings; writes benchmarks/results.md and the table in README.md. BENCH_ARGS="--repeats 5"
+# Side-by-side timings; writes benchmarks/results.md and the table in CONTRIBUTING.md. BENCH_ARGS="--repeats 5"
 bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
-# Rebuild the bundled offline model (committed; see README for why). About a minute on 2 cores.
+# Rebuild the bundled offline model (committed; CONTRIBUTING.md says why). About a minute on 2 cores.
 # Rebuilds the bundled model; downloads the pinned ja-ginza wheel (59 MB, chiVe's word vectors) once into
 # ~/.cache/helpers-build/ (CACHE=... to change), checked by SHA-256. Nothing it needs joins requirements.txt.
 CACHE ?= $(HOME)/.cache/helpers-build

@@ -2,15 +2,20 @@
 
 Sets the environment the stored notebook outputs were made in, so that the obvious
 `pytest --nbval notebooks/X.ipynb` compares outputs as `make test` does: without it, the model-loading
-progress bar is an output the notebook does not hold. Kernels started by nbval inherit this process's
+progress bar is an output the notebook does not hold. The stored outputs are a CPU's, so every GPU is hidden
+from CUDA as well (`make gpu-check` is the test on GPUs). Kernels started by nbval inherit this process's
 environment; they are this environment's Python (as with --nbval-current-env) unless a kernel is named.
+The run ends with one line saying what it compared, and where.
 """
 
 import os
 
-from helpers.checks.notebook_env import NOTEBOOK_ENV
+import pytest
 
-os.environ.update(NOTEBOOK_ENV)
+from helpers.checks.notebook_env import GPUS_HIDDEN, NOTEBOOK_ENV, compared_line, nvml_gpu_count
+
+os.environ.update(NOTEBOOK_ENV | GPUS_HIDDEN)
+NOTEBOOKS = pytest.StashKey[set]()
 
 
 def pytest_configure(config):
@@ -18,3 +23,14 @@ def pytest_configure(config):
     if getattr(option, "nbval", False) or getattr(option, "nbval_lax", False):
         if not getattr(option, "nbval_kernel_name", None) and not getattr(option, "current_env", False):
             option.nbval_current_env = True
+
+
+def pytest_collection_finish(session):
+    session.config.stash[NOTEBOOKS] = {item.path for item in session.items if item.path.suffix == ".ipynb"}
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    notebooks, gpus = config.stash.get(NOTEBOOKS, set()), nvml_gpu_count()
+    if notebooks or gpus:
+        mode = "strict" if getattr(config.option, "nbval", False) else "lax"
+        terminalreporter.write_line(compared_line(len(notebooks), mode, gpus))

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in one run, side by side. Prints the machine and its load, medians, and
 each ratio with its range over the repetitions; writes benchmarks/results.md and the same table into
-README.md (between the bench markers). A target counts as met only when the worst repetition clears it.
+CONTRIBUTING.md (between the bench markers, under "Benchmarks"). A target counts as met only when the worst repetition clears it.
 
 Repetitions are options, so a loaded machine can do a quick pass and a quiet one a careful pass; the load
 average is recorded at the start and at the end, so a reader can tell which it was.
@@ -22,7 +22,7 @@ import padding
 import trainer_vs_loop
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+TABLE_FILE = HERE.parent / "CONTRIBUTING.md"  # the maintainers' page; the README links to it
 DDP_SCRIPT = HERE / "ddp_scaling.py"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -101,12 +101,12 @@ def markdown(machine: str, end_load: str, args, pad: dict | None, hf: dict | Non
     return "\n".join(lines) + "\n"
 
 
-def update_readme(table: str) -> None:
-    text = README.read_text(encoding="utf-8")
+def update_table(table: str) -> None:
+    text = TABLE_FILE.read_text(encoding="utf-8")
     if START not in text or END not in text:
-        raise SystemExit(f"{README}: the markers {START} and {END} are missing")
+        raise SystemExit(f"{TABLE_FILE}: the markers {START} and {END} are missing")
     head, rest = text.split(START, 1)
-    README.write_text(f"{head}{START}\n{table}{END}{rest.split(END, 1)[1]}", encoding="utf-8")
+    TABLE_FILE.write_text(f"{head}{START}\n{table}{END}{rest.split(END, 1)[1]}", encoding="utf-8")
 
 
 def main() -> None:
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["padding", "trainer", "ddp", "memory", "accumulation",
                                                               "notebooks"],
                         help="benchmarks to leave out of this run")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    parser.add_argument("--no-table", action="store_true", help="leave CONTRIBUTING.md as it is")
     args = parser.parse_args()
 
     common.set_threads(args.threads)
@@ -153,9 +153,9 @@ def main() -> None:
 
     table = markdown(machine, end_load, args, pad, hf, nbs, ddp, mem, accum)
     (HERE / "results.md").write_text("# Benchmark results (`make bench`)\n\n" + table, encoding="utf-8")
-    if not args.no_readme:
-        update_readme(table)
-    print(f"\nwrote {HERE / 'results.md'}" + ("" if args.no_readme else f" and the table in {README}"))
+    if not args.no_table:
+        update_table(table)
+    print(f"\nwrote {HERE / 'results.md'}" + ("" if args.no_table else f" and the table in {TABLE_FILE}"))
 
 if __name__ == "__main__":
     main()

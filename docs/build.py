@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from sphinx.cmd.build import build_main
 
 from helpers.checks import gpu_runs
 from helpers.checks.notebook_env import lessons_then_solutions
+from helpers.checks.prose import SUMMARY
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -53,7 +53,7 @@ def describe(notebook: Path, root: Path = ROOT) -> Page:
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     lines = "".join(cells[0]["source"]).splitlines() if cells and cells[0]["cell_type"] == "markdown" else []
     title = next((line[2:].strip() for line in lines if line.startswith("# ")), None)
-    summary = next((m.group(1) for line in lines if (m := re.fullmatch(r"\*([^*].*[^*])\*\s*", line))), None)
+    summary = next((m.group(1) for line in lines if (m := SUMMARY.fullmatch(line))), None)
     if title is None or summary is None:
         raise ValueError(f"{notebook}: the first cell must be markdown with a '# title' line and an "
                          f"'*English summary*' line (found title={title!r}, summary={summary!r})")

@@ -15,7 +15,8 @@ language = "ja"
 
 extensions = ["myst_nb", "sphinx_copybutton", "mathml", "gpu_outputs"]  # the last two: docs/_ext/
 root_doc = "index"
-exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+# training.md and memo-model.md: the README's long sections in full, read on GitHub or in an editor, not site pages
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "training.md", "memo-model.md"]
 
 # The committed notebooks already carry outputs made by `make notebooks`; the site shows exactly those.
 nb_execution_mode = "off"

@@ -8,6 +8,12 @@ from pathlib import Path
 NOTEBOOK_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
                 "HELPERS_MAX_EXAMPLES": ""}
 
+GPUS_HIDDEN = {"CUDA_VISIBLE_DEVICES": ""}
+"""The stored outputs are a CPU's, so they are made and compared with every GPU hidden from CUDA (``make notebooks``,
+``make test``, any pytest run through conftest.py); ``make gpu-check`` runs the same notebooks with the GPUs visible.
+NVML ignores this variable: cells that read NVML (00's device summary, 05's table) keep their outputs out of the
+comparison, and print the machine's GPUs beside a torch that sees none."""
+
 
 def lessons_then_solutions(folder: Path) -> list[Path]:
     """The series in ``folder`` (notebooks/, or a GPU run's copy of it): the lessons in order, then their solutions.
@@ -15,5 +21,38 @@ def lessons_then_solutions(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.ipynb")) + sorted(folder.glob("solutions/*.ipynb"))
 
 
+def nvml_gpu_count() -> int:
+    """How many GPUs the NVIDIA driver reports, whatever CUDA_VISIBLE_DEVICES says; 0 without a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return 0
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def compared_line(notebooks: int, mode: str, gpus: int) -> str:
+    """The one line a test run ends with: how many notebooks' outputs it compared (``mode`` strict or lax; 0 for
+    none) and that it ran on the CPU, naming the GPUs it hid and the command that tests them."""
+    what = f"{notebooks} notebook(s) compared ({mode}) with their stored outputs" if notebooks else "no notebook compared"
+    if not gpus:
+        return f"{what}; run on the CPU (no NVIDIA GPU here), as the stored outputs were"
+    return (f"{what}; run on the CPU with this machine's {gpus} GPU(s) hidden (CUDA_VISIBLE_DEVICES=), since the stored "
+            f"outputs are a CPU's; `make gpu-check` is the test on the GPUs")
+
+
 if __name__ == "__main__":
-    print(" ".join(f"{name}={value}" for name, value in NOTEBOOK_ENV.items()))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.checks.notebook_env",
+                                     description="Print the notebooks' environment as shell assignments.")
+    parser.add_argument("--gpus-hidden", action="store_true",
+                        help="add CUDA_VISIBLE_DEVICES= (make notebooks, make test: the stored outputs are a CPU's)")
+    environment = NOTEBOOK_ENV | (GPUS_HIDDEN if parser.parse_args().gpus_hidden else {})
+    print(" ".join(f"{name}={value}" for name, value in environment.items()))
