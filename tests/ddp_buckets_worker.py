@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from helpers.distributed import leave_process_group
 from helpers.memtrace import NetFromConfig, bundled_config
 
 
@@ -34,4 +35,4 @@ def measure_ddp(rank: int, world_size: int, rendezvous: str, results) -> None:
                 gradients = held(tracker) - before - buckets
             results[(rank, bucket_view)] = (buckets, gradients, sum(p.numel() * 4 for p in model.parameters()))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
