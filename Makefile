@@ -29,7 +29,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_BUILD = $(PYTHON) tools/torch_build.py --torch $(TORCH) --cpu-index $(TORCH_CPU_INDEX)
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab venv venv-check test unit prose notebooks tiny-model docs bench wheelhouse gpu-check memory-chart clean
+.PHONY: lab venv venv-check test unit prose notebooks tiny-model docs bench stress wheelhouse gpu-check memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so. It opens on 00_setup.ipynb (what
 # WORKSHOP.md runs first), with the lab settings of jupyter-config/ (no news prompt) as defaults under the user's own.
@@ -75,6 +75,13 @@ docs: $(DEV_STAMP)
 # Side-by-side timings; writes benchmarks/results.md and the table in CONTRIBUTING.md. BENCH_ARGS="--repeats 5"
 bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
+# Start every multi-process entry point N times in a row (2 processes on the CPU) and count the runs that did not exit
+# 0, per entry point: an abort at exit or a hang shows here, not in one test run. N=50 takes hours on 2 cores.
+# STRESS_ARGS="--only lever_checks --keep failed-runs" for one entry point, keeping the output of failed runs.
+N ?= 10
+stress: $(STAMP)
+	$(NB_ENV) $(BIN)/python benchmarks/exit_stress.py --runs $(N) $(STRESS_ARGS)
 
 # Rebuild the bundled offline model (committed; CONTRIBUTING.md says why). About a minute on 2 cores.
 # Rebuilds the bundled model; downloads the pinned ja-ginza wheel (59 MB, chiVe's word vectors) once into

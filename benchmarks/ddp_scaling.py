@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers import BertConfig, BertModel
 
+from helpers.distributed import leave_process_group
+
 import common  # benchmarks/common.py: the machine and its load
 
 SETUPS = {"1 process x 1 thread": (1, 1), "2 processes x 1 thread": (2, 1), "1 process x 2 threads": (1, 2)}
@@ -72,7 +74,7 @@ def worker(rank: int, world_size: int, threads: int, port: int, args: argparse.N
         rates.append(args.global_batch * args.steps / (time.perf_counter() - start))
     if rank == 0:
         Path(out).write_text(" ".join(map(str, rates)))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def measure(world_size: int, threads: int, args: argparse.Namespace) -> list[float]:

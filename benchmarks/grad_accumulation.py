@@ -31,6 +31,7 @@ LOOPS = ("naive", "no_sync")
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
     from helpers.accumulation import CollectiveCounter, accumulate_naively
+    from helpers.distributed import leave_process_group
     from helpers.net import Net
     from helpers.train import accumulate
 
@@ -71,8 +72,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": seconds, "traffic": traffic,
                                          "gradient_bytes": 4 * sum(p.numel() for p in model.parameters())}))
-    del model  # free DDP's reducer while the group exists
-    dist.destroy_process_group()
+    leave_process_group()  # the counter's hook keeps the model alive: `del model` would not free its reducer
 
 
 def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 32, micro_batches: int = 4,

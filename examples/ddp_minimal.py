@@ -53,4 +53,5 @@ dist.all_gather_object(weights, net.weight.tolist())
 if rank == 0:
     print("weights identical on all ranks:", all(w == weights[0] for w in weights))
     print("learned:", [round(v, 2) for v in weights[0][0]])
+del model  # DDP's reducer holds the group: freed after it, it would keep the group's threads running into exit
 dist.destroy_process_group()

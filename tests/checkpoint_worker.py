@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from helpers.checkpoint import Checkpoints, Progress, epoch_start_state, load_checkpoint, state_dicts_equal, full_weights
+from helpers.distributed import leave_process_group
 
 
 def small(sharded: bool) -> nn.Module:
@@ -112,4 +113,4 @@ if __name__ == "__main__":
     try:
         {"failing-save": failing_save, "layouts": layouts}[mode](folder)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()

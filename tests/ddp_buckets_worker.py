@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.distributed import leave_process_group
 from helpers.memory.configs import bundled_config
 from helpers.memory.torch_private import mem_tracker
 from helpers.memory.tracer import NetFromConfig
@@ -35,4 +36,4 @@ def measure_ddp(rank: int, world_size: int, rendezvous: str, results) -> None:
                 gradients = held(tracker) - before - buckets
             results[(rank, bucket_view)] = (buckets, gradients, sum(p.numel() * 4 for p in model.parameters()))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()

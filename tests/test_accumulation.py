@@ -42,7 +42,7 @@ def group_of_one():
     """This process alone as a process group (gloo, in memory), as a plain ``python -m helpers.finetune`` has it."""
     distributed.init_process_group(torch.device("cpu"))
     yield
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 def gradients(net):

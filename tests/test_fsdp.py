@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from helpers import fsdp
+from helpers import distributed, fsdp
 from helpers.checkpoint import (STATE_FILE, CheckpointError, Checkpoints, full_weights, load_checkpoint, read_state,
                                 state_dicts_equal)
 from helpers.checkpoint_files import SHARDED_DIR
@@ -109,7 +109,7 @@ def test_sharded_checkpoint_of_two_processes_loads_into_a_plain_net_and_into_one
         with pytest.raises(CheckpointError, match="saved by 2 process.*resumed with 1"):
             Checkpoints(runs["root"] / "uninterrupted").resume(one, optimizer, None, None)
     finally:
-        dist.destroy_process_group()
+        distributed.leave_process_group()
 
 
 def test_resuming_across_strategies_is_refused_with_the_reason(runs, tmp_path, capsys):
@@ -153,4 +153,4 @@ def test_an_optimizer_built_before_sharding_trains_nothing_and_the_audit_says_so
         with pytest.raises(ParamGroupError, match="not in any group.*not parameters of FSDPNet"):
             audit_param_groups(net, optimizer)
     finally:
-        dist.destroy_process_group()
+        distributed.leave_process_group()

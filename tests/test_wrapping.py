@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from helpers.distributed import leave_process_group
 from helpers.wrapping import unwrap
 
 
@@ -27,4 +28,4 @@ def test_distributed_data_parallel(tmp_path):
         assert unwrap(DistributedDataParallel(net)) is net
         assert unwrap(torch.compile(DistributedDataParallel(net))) is net
     finally:
-        dist.destroy_process_group()
+        leave_process_group()

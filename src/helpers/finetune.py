@@ -278,11 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
         distributed.stop_everywhere(str(error))
     report(args, data, model, result, tokenizer)
-    # Free DDP's reducer while the process group still exists: freed after destroy_process_group, as main returns,
-    # it sometimes never returned (gloo, a busy 2-core CPU: the worker hung after printing the summary).
-    del model
-    dist.barrier()  # no rank leaves before rank 0 has written its files
-    dist.destroy_process_group()
+    distributed.leave_process_group()  # its barrier: no rank leaves before rank 0 has written its files
     return result
 
 

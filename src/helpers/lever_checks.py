@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["checkpointing"].append(compare_checkpointing(args.model, examples, collate, device, strategy))
         say(checkpointing_line(result["checkpointing"][-1]))
     say(json.dumps(result))
-    dist.destroy_process_group()
+    distributed.leave_process_group()
     return result
 
 

@@ -123,11 +123,11 @@ def measure_fsdp_rank(batch_size: int, seq_len: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from helpers import distributed
     from helpers.fsdp import shard
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    distributed.init_process_group(device)  # NCCL, bound to this GPU
     config = bert_base_config()
     torch.manual_seed(0)
     model = shard(build_model(config, device="cpu").to(device), init_device_mesh("cuda", (dist.get_world_size(),)))
@@ -149,7 +149,7 @@ def measure_fsdp_rank(batch_size: int, seq_len: int) -> None:
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device))
     if dist.get_rank() == 0:
         print(json.dumps({"backend": dist.get_backend(), "peaks": peaks}), flush=True)
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 if __name__ == "__main__":
