@@ -54,3 +54,19 @@ def test_cp932_read_as_utf8_names_the_line_and_the_fix(tmp_path):
 def test_custom_label_names(tmp_path):
     path = write(tmp_path, "three.tsv", "text\tlabel\n普通\tneutral\n")
     assert load_examples(path, labels=("negative", "neutral", "positive")) == [Example("普通", 1)]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "encoding", "cause"),
+    [
+        ("bad.jsonl", '{"text": "良い", "label": 1\n', {}, "JSONDecodeError"),
+        ("bad.tsv", "text\tlabel\n良い\tpositive\n", {"encoding": "no-such-codec"}, "LookupError"),
+        ("sjis.csv", "text,label\n最高,positive\n".encode("cp932").decode("latin-1"), {}, "UnicodeDecodeError"),
+    ],
+)
+def test_a_refused_file_keeps_the_parsers_error_as_its_cause(tmp_path, name, content, encoding, cause):
+    path = tmp_path / name
+    path.write_bytes(content.encode("latin-1") if name == "sjis.csv" else content.encode("utf-8"))
+    with pytest.raises(DataFileError) as refused:
+        load_examples(path, **encoding)
+    assert type(refused.value.__cause__).__name__ == cause

@@ -187,3 +187,11 @@ def test_the_series_is_the_lessons_then_their_solutions_not_jupyterlabs_copies(t
         (tmp_path / name).write_text("{}")
     found = [path.relative_to(tmp_path).as_posix() for path in lessons_then_solutions(tmp_path)]
     assert found == ["00_a.ipynb", "01_b.ipynb", "solutions/01_s.ipynb"]
+
+
+def test_no_error_drops_its_cause():
+    """`raise ... from None` hides the exception that says what really went wrong; keep it as the cause."""
+    hiding = [f"{path.relative_to(PACKAGE)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+              if "from None" in line.split("#")[0]]
+    assert hiding == []

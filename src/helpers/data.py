@@ -208,7 +208,7 @@ def _rows(path: Path, text: str, delimiter: str) -> list[tuple[int, list[str]]]:
                 rows.append((start, row))
             start = reader.line_num + 1
     except csv.Error as error:
-        raise DataFileError(f"{path}, line {start}: {error}") from None
+        raise DataFileError(f"{path}, line {start}: {error}") from error
     finally:
         csv.field_size_limit(limit)
     return rows
@@ -232,7 +232,7 @@ def _json_records(path: Path, text: str) -> list[tuple[int, str, str]]:
         try:
             record = json.loads(content)
         except json.JSONDecodeError as error:
-            raise DataFileError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+            raise DataFileError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from error
         if not isinstance(record, dict):
             raise DataFileError(
                 f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
@@ -274,7 +274,7 @@ def _decode(path: Path, encoding: str | None) -> str:
         except UnicodeDecodeError as error:
             raise DataFileError(f"{path}, line {_line_at(raw, error.start, codec)}: starts with a {name} byte-order "
                                 f"mark but is not valid {name.split()[0]} ({error.reason} at byte offset "
-                                f"{error.start})") from None
+                                f"{error.start})") from error
     else:
         nul = raw.find(b"\x00")
         if nul >= 0:
@@ -285,19 +285,19 @@ def _decode(path: Path, encoding: str | None) -> str:
         codec = "utf-8" if encoding is None or _normalized(encoding) == "utf8" else encoding
         try:
             text = raw.decode(codec)
-        except LookupError:
-            raise DataFileError(f"{path}: unknown encoding {encoding!r}") from None
+        except LookupError as error:
+            raise DataFileError(f"{path}: unknown encoding {encoding!r}") from error
         except UnicodeDecodeError as error:
             where = f"{path}, line {_line_at(raw, error.start, codec)}"
             found = f"not valid {encoding or 'utf-8'} (byte 0x{raw[error.start]:02x} at offset {error.start})"
             if codec != "utf-8":
                 hint = " The file is valid UTF-8: leave {option} out." if _decodes(raw, "utf-8") else ""
-                raise _encoding_error(f"{where}: {found}.{hint}") from None
+                raise _encoding_error(f"{where}: {found}.{hint}") from error
             if _decodes(raw, "cp932"):
                 raise _encoding_error(f"{where}: {found}. Files saved by Excel in Japan are often CP932 (Shift_JIS): "
-                                      f"pass {{given}} or save as UTF-8.", "cp932") from None
+                                      f"pass {{given}} or save as UTF-8.", "cp932") from error
             raise DataFileError(f"{where}: {found}, nor valid CP932 (Shift_JIS), and it starts with no byte-order "
-                                f"mark (UTF-8 or UTF-16): save it as UTF-8.") from None
+                                f"mark (UTF-8 or UTF-16): save it as UTF-8.") from error
     nul = text.find("\x00")
     if nul >= 0:
         line = text.count("\n", 0, nul) + 1

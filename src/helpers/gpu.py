@@ -101,7 +101,7 @@ def nvml_snapshot(nvml=None, cuda: list[str] | None = None) -> list[GpuRow]:
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as error:
-        raise NvmlUnavailable(str(error)) from None
+        raise NvmlUnavailable(str(error)) from error
     try:
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         uuids = [_text(nvml.nvmlDeviceGetUUID(handle)) for handle in handles]

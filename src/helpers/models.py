@@ -144,13 +144,13 @@ def check_dictionary(choice: ModelChoice) -> None:
         return
     try:
         importlib.import_module(choice.mecab_dic)
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as error:
         package = DICTIONARY_PACKAGES.get(choice.mecab_dic, choice.mecab_dic)
         raise DictionaryNotInstalledError(
             f"Model {choice.name!r} splits words with the MeCab dictionary {choice.mecab_dic!r}, which is not "
             f"installed: `pip install {package}`. Another dictionary "
             f"would split sentences into other words than the model was trained on."
-        ) from None
+        ) from error
 
 
 def load_bert(model: str | ModelChoice | None = None, **kwargs):

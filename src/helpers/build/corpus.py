@@ -152,9 +152,9 @@ def fetch(source: Source, directory: Path) -> Path:
                        "--dest", ".", f"{source.name}=={source.version}"]
         try:
             done = subprocess.run(command, cwd=directory, capture_output=True, text=True)
-        except FileNotFoundError:
+        except FileNotFoundError as error:
             raise SourceError(f"{source.name} {source.version}: `{command[0]}` is not installed here; "
-                              f"the {source.registry} packages are fetched on Debian or Ubuntu") from None
+                              f"the {source.registry} packages are fetched on Debian or Ubuntu") from error
         if done.returncode != 0 or not path.exists():
             raise SourceError(f"{source.name} {source.version} ({source.registry}): `{' '.join(command)}` failed: "
                               f"{done.stderr.strip() or 'no ' + source.filename}")

@@ -95,7 +95,7 @@ def read(folder: Path) -> GpuRun:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
     run = GpuRun(folder, **check_metadata(data, str(path)))
     if not run.notebooks():
         raise ValueError(f"{folder / 'notebooks'}: no executed notebooks (*.ipynb or solutions/*.ipynb) in it")
