@@ -11,14 +11,13 @@ from torch import nn
 def unwrap(model: nn.Module) -> nn.Module:
     """The innermost model of any nesting of DataParallel, DistributedDataParallel and torch.compile.
 
-    Parallel wrappers keep the model in ``.module``; torch.compile keeps it in ``._orig_mod``.
+    Parallel wrappers keep the model in ``.module``. torch.compile's wrapper, a private class, keeps it as its
+    child module ``_orig_mod``: that child tells the wrapper, with no private import.
     """
-    from torch._dynamo.eval_frame import OptimizedModule  # torch.compile's wrapper; importing it is slow
-
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
-        elif isinstance(model, OptimizedModule):
+        elif "_orig_mod" in dict(model.named_children()):
             model = model._orig_mod
         else:
             return model
