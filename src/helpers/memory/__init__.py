@@ -32,10 +32,12 @@ EXPORTS = {
     "formulas": ("activation_formula", "layer_activation_bytes", "parameter_bytes", "parameters"),
     "fsdp2": ("FSDP2_CATEGORIES", "fsdp_categories", "predict_fsdp", "trace_fsdp"),
     "fsdp2_table": ("load_table",),
-    "gpu_facts": ("GIB", "GPUS", "GpuModel", "attention_kernel", "sdpa_kernel", "workspaces"),
+    "gpu_facts": ("GIB", "GPUS", "PRECISIONS", "GpuModel", "amp_precision", "attention_kernel", "mixed_precision",
+                  "sdpa_kernel", "workspaces"),
     "prediction": ("FITS", "default_gpu", "largest_batch", "per_device", "predict_cpu_step", "predict_step"),
     "record": ("h200_steps",),
     "tracer": ("trace_fake",),
+    "torch_private": ("recording_memory_history",),
     "tracker": ("tracking",),
 }
 """The front door's names, by the module that defines them."""
