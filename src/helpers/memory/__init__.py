@@ -6,9 +6,10 @@ needs no torch) or running one (``python -m helpers.memory.cuda_step``) loads on
 
 Inside, one module per concern (each imports only those above it in this list):
 
-- ``torch_private``: every private PyTorch surface the predictor rests on, checked against the torch it was
-  written for; ``categories``: the words memory is split into (weights, gradients, ...), in one order;
-- ``gpu_facts``: GPUs as a table, and what CUDA allocates besides tensors, read in PyTorch's C++ (pure: no torch);
+- ``torch_private``: every private PyTorch surface the predictor and the notebooks rest on, checked against the
+  torch it was written for; ``categories``: the words memory is split into (weights, gradients, ...), in one order;
+- ``gpu_facts``: GPUs as a table, which mixed precision and attention kernel each runs, and what CUDA allocates
+  besides tensors, read in PyTorch's C++ (pure: no torch);
 - ``allocator`` and ``simulated_gpu``: PyTorch's caching allocator in Python, and a GPU replaying a traced step;
 - ``configs``: the BERT shapes; ``formulas``: parameter and activation bytes in closed form;
 - ``kernels``, ``tracker``, ``tracer``: a step traced on fake tensors as CUDA runs it;
