@@ -75,7 +75,8 @@ def load_config(model: str):
     missing = [field for field in BERT_FIELDS if not hasattr(config, field)]
     if config.model_type != "bert" or missing:
         raise SettingError(f"--model {model}: not a BERT config (model_type {config.model_type!r}"
-                           + (f", no {', '.join(missing)}" if missing else "") + "); this command predicts BERT encoders")
+                           + (f", no {', '.join(missing)}" if missing else "")
+                           + "); this command predicts BERT encoders")
     return BertConfig(**{field: getattr(config, field) for field in BERT_FIELDS}, use_cache=False), (
         "folder" if Path(model).is_dir() else "hub")
 
@@ -218,9 +219,9 @@ def report(result: dict) -> list[str]:
     widths = {name: max(len(name), 7) for name in result["columns"]}
     lines = [f"model {model['name']} ({model['source']}): {model['parameters'] / 1e6:,.1f} M parameters, hidden "
              f"{model['hidden_size']}, {model['layers']} layers, vocab {model['vocab_size']}",
-             f"{setting['strategy']} on {gpu['count']} x {gpu['name']} ({gpu['source']}; {gpu['sm']}, {gpu['sm_count']} "
-             f"SMs, {gpu['memory_bytes'] / 2**30:.1f} GiB each), global batch {setting['global_batch_size']} = {micro} "
-             f"per GPU x {_count(steps, 'micro-batch')}, L={setting['seq_len']}",
+             f"{setting['strategy']} on {gpu['count']} x {gpu['name']} ({gpu['source']}; {gpu['sm']}, "
+             f"{gpu['sm_count']} SMs, {gpu['memory_bytes'] / 2**30:.1f} GiB each), global batch "
+             f"{setting['global_batch_size']} = {micro} per GPU x {_count(steps, 'micro-batch')}, L={setting['seq_len']}",
              f"{PRECISION_WORDS[setting['amp']]}, attention {setting['attention_kernel']}"
              + (", gradient checkpointing" if setting["gradient_checkpointing"] else "")
              + "; predicted peak per GPU in MiB (--help: each column):",
