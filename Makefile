@@ -107,7 +107,7 @@ gpu-check: $(STAMP)
 
 # Regenerate the README's per-GPU memory chart from the memory model (python -m helpers.memory --help: your setting).
 memory-chart: $(STAMP)
-	$(BIN)/python -m helpers.memory --chart docs/img/per_device_memory.png
+	$(BIN)/python -m helpers.memory.charts docs/img/per_device_memory.png
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

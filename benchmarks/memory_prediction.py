@@ -1,5 +1,6 @@
-"""How long ``python -m helpers.memory`` takes to answer for BERT-base at L=512: a fresh interpreter each time, as a
-reader types it (imports, the traces of the asked setting, and the search for the largest batch that fits)."""
+"""How long ``python -m helpers.memory`` takes to answer the README's example (BERT-base, L=128, DDP on two T4s, fp16):
+a fresh interpreter each time, as a reader types it (imports, the traces of the asked setting, and the search for the
+largest batch that fits)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 
 import common
 
-COMMAND = ["--model", "tohoku-nlp/bert-base-japanese-v3", "--batch-size", "32", "--seq-len", "512", "--gpus", "2",
-           "--strategy", "ddp", "--amp", "bf16", "--gpu-memory", "16GiB"]
+COMMAND = ["--gpu", "T4", "--gpus", "2", "--strategy", "ddp", "--global-batch-size", "32", "--seq-len", "128", "--amp",
+           "fp16"]
+"""The README's example (tests/test_memory_cli.py checks that the two agree)."""
+LABEL = "BERT-base, L=128, DDP on 2 T4s, fp16: the README's example"
 TARGET_S = 10.0
 
 

@@ -68,7 +68,7 @@ def markdown(machine: str, end_load: str, args, pad: dict | None, hf: dict | Non
                      f"{acc['project loop']:.3f} vs {acc['HF Trainer']:.3f} | side by side | |")
     if mem:
         seconds = mem["seconds"]
-        lines.append(f"| `python -m helpers.memory`: BERT-base, L=512, DDP on 2 GPUs, bf16, 16 GiB (per-GPU peaks and "
+        lines.append(f"| `python -m helpers.memory`: {memory_prediction.LABEL} (per-GPU peaks and "
                      f"the largest batch) | {common.median(seconds):.1f} s (worst {max(seconds):.1f} s) | "
                      f"≤ {memory_prediction.TARGET_S:.0f} s | {verdict(max(seconds) <= memory_prediction.TARGET_S)} |")
     if accum:

@@ -92,8 +92,9 @@ def test_a_memory_gap_names_its_causes():
 
     mib = 2**20
     predicted = {"workspaces": 65 * mib, "total": 3814 * mib}
-    assert within_tolerance(3814 * mib, 3829 * mib, amp=False) and not within_tolerance(3814 * mib, 3831 * mib, amp=False)
-    assert within_tolerance(3814 * mib, 3861 * mib, amp=True) and not within_tolerance(100 * mib, 103 * mib, amp=True)
+    assert within_tolerance(3814 * mib, 3829 * mib, amp=None) and not within_tolerance(3814 * mib, 3831 * mib, amp=None)
+    for amp in ("bf16", "fp16"):
+        assert within_tolerance(3814 * mib, 3861 * mib, amp) and not within_tolerance(100 * mib, 103 * mib, amp)
     causes = gap_causes(predicted, 3810 * mib, CudaPeak(leftover=17 * mib, before=0, peak=3900 * mib,
                                                         requested=3880 * mib, held_after=17 * mib + 41 * mib),
                         "cuDNN", "flash")
@@ -110,8 +111,9 @@ def test_a_memory_gap_names_its_causes():
 def test_the_memory_grid_and_partial_runs():
     from helpers.checks.gpu_check import MemoryCase, arguments, memory_cases, series_notebooks
 
-    assert len(memory_cases(1, bf16=True)) == 26 and len(memory_cases(2, bf16=False)) == 16  # with the 2 lever cases
-    assert MemoryCase(16, 512, amp=True, accumulation=2).label("cuDNN") == \
+    assert len(memory_cases(1, "bf16")) == 26 and len(memory_cases(2, "fp16")) == 28  # with the 2 lever cases
+    assert {case.amp for case in memory_cases(1, "fp16")} == {None, "fp16"}  # a T4: fp16 with a GradScaler
+    assert MemoryCase(16, 512, amp="bf16", accumulation=2).label("cuDNN") == \
         "1 GPU, cuDNN, bf16, B=16, L=512, accumulation 2"
     assert [path.name for path in series_notebooks("08*")] == ["08_fsdp2.ipynb"]
     assert all(path.parent.name == "solutions" for path in series_notebooks("solutions/*"))

@@ -4,6 +4,7 @@ The snapshot (tests/fixtures/h200-snapshot-b8-l512-fp32.pickle.gz) is the CUDA m
 cell 29 on an NVIDIA H200 (torch 2.11.0+cu130, 2026-12-04): one BERT-base Adam step, B=8, L=512, fp32.
 """
 
+import dataclasses
 import gzip
 import pickle
 from collections import Counter
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers.memory.gpu_facts import (GPUS, cublas_workspace_size, cublaslt_workspace_size, parse_memory,
-                                      reduce_buffers, sdpa_kernel, workspaces)
+from helpers.memory.gpu_facts import (GPUS, amp_precision, attention_kernel, bf16_refusal, cublas_workspace_size,
+                                      cublaslt_workspace_size, mixed_precision, parse_memory, reduce_buffers,
+                                      sdpa_kernel, workspaces)
 
 SNAPSHOT = Path(__file__).parent / "fixtures" / "h200-snapshot-b8-l512-fp32.pickle.gz"
 KIB, MIB = 2**10, 2**20
@@ -86,11 +88,48 @@ def test_reduce_buffer_grows_with_the_rows_until_the_gpu_is_full():
 
 
 def test_attention_kernel_by_compute_capability_and_dtype():
-    assert sdpa_kernel((9, 0), half=True) == "cuDNN"  # measured on the H200
-    assert sdpa_kernel((9, 0), half=False) == "memory-efficient"  # measured on the H200
-    assert sdpa_kernel((8, 0), half=True) == "flash"
-    assert sdpa_kernel((7, 5), half=True) == "memory-efficient"
-    assert sdpa_kernel((9, 0), half=True, masked=True) == "memory-efficient"
+    assert sdpa_kernel((9, 0), "bf16") == "cuDNN"  # measured on the H200
+    assert sdpa_kernel((9, 0), "fp32") == "memory-efficient"  # measured on the H200
+    assert sdpa_kernel((9, 0), "bf16", masked=True) == "memory-efficient"
+    assert sdpa_kernel((8, 0), "bf16") == sdpa_kernel((8, 9), "fp16") == "flash"
+    assert sdpa_kernel((8, 6), "bf16", masked=True) == "memory-efficient"  # flash refuses a mask
+    with pytest.raises(ValueError, match="precision='half'"):
+        sdpa_kernel((9, 0), "half")
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0)])  # the T4, the V100
+def test_below_sm80_attention_is_memory_efficient_in_fp32_and_fp16_and_math_in_bf16(capability):
+    """sdp_utils.cpp: flash and cuDNN need sm80 (check_flash_attention_hardware_support,
+    check_cudnn_hardware_support), and the memory-efficient kernel takes fp16 and fp32 only below sm80
+    (less_than_sm80_mem_efficient_dtypes); so bf16 falls to the math kernel, masked or not."""
+    for masked in (False, True):
+        assert [sdpa_kernel(capability, precision, masked) for precision in ("fp32", "fp16", "bf16")] == \
+            ["memory-efficient", "memory-efficient", "math"]
+
+
+def test_a_gpu_without_native_bf16_mixes_in_fp16_and_refuses_bf16_naming_fp16():
+    t4, v100, h200 = GPUS["T4"], GPUS["V100"], GPUS["H200"]
+    assert (t4.native_bf16, v100.native_bf16, h200.native_bf16, GPUS["A100-40GB"].native_bf16) == (False, False,
+                                                                                                   True, True)
+    assert mixed_precision(t4)[0] == mixed_precision(v100)[0] == "fp16" and mixed_precision(h200)[0] == "bf16"
+    assert "no native bf16" in mixed_precision(t4)[1] and "--amp fp16" in mixed_precision(t4)[1]
+    assert bf16_refusal(h200) is None
+    assert bf16_refusal(t4) == ("--amp bf16: T4 (sm75) has no native bf16 (it needs compute capability 8.0 or "
+                                "later); use --amp fp16 (fp16 autocast with a gradient scaler), or leave out --amp "
+                                "for fp32")
+    assert [amp_precision(t4, amp) for amp in (None, False, True, "fp16")] == ["fp32", "fp32", "fp16", "fp16"]
+    assert [amp_precision(h200, amp) for amp in (True, "bf16", "fp16")] == ["bf16", "bf16", "fp16"]
+    with pytest.raises(ValueError, match=r"^--amp bf16: V100 \(sm70\) has no native bf16.*use --amp fp16"):
+        amp_precision(v100, "bf16")
+    with pytest.raises(ValueError, match="amp='fp8'"):
+        amp_precision(h200, "fp8")
+
+
+def test_a_gpu_that_was_asked_answers_with_what_it_picked():
+    asked = dataclasses.replace(GPUS["T4"], kernels=(("fp32", "memory-efficient"), ("fp16", "flash"),
+                                                     ("bf16", "math")))
+    assert attention_kernel(asked, "fp16") == "flash"  # what it said, even where the table says otherwise
+    assert attention_kernel(asked, "fp16", masked=True) == attention_kernel(GPUS["T4"], "fp16") == "memory-efficient"
 
 
 @pytest.mark.parametrize(("text", "expected"), [("16GiB", 16 * 2**30), ("24GB", 24 * 10**9), ("40960MiB", 40 * 2**30),

@@ -279,3 +279,30 @@ def test_model_a_dataparallel_replica_holds_no_gradients_of_earlier_micro_batche
     trained = 4 * sum(p.numel() for name, p in build_model(config).named_parameters() if ".pooler." not in name)
     assert (gpu0_acc["gradients"], gpu1_acc["gradients"]) == (trained, 0)
     assert (gpu0_acc["total"] - gpu1_acc["total"]) - (gpu0["total"] - gpu1["total"]) == trained
+
+
+def test_fp16_holds_what_bf16_holds_plus_the_grad_scalers_tensors():
+    """fp16 autocast keeps what bf16 keeps, byte for byte (the same casts, the same element size), and --amp fp16
+    adds a GradScaler (torch/amp/grad_scaler.py) whose 4-byte tensors each take a 512-byte block of the caching
+    allocator: the scale and the growth tracker (``_lazy_init_scale_growth_tracker``) from the first step on, the
+    scaled loss through backward (``scale``), and found_inf's copy for the device (``_unscale_grads_``, kept until
+    ``update``) through the optimizer step; the inverse scale and found_inf itself are gone by then. On an A100
+    both types run flash attention, so nothing else differs."""
+    config = bert_base_config(num_hidden_layers=2)
+    bf16, fp16 = (predict_step(config, 8, 128, gpu=GPUS["A100-40GB"], environ={}, amp=amp) for amp in ("bf16", "fp16"))
+    for moment in ("after_forward", "backward_peak", "optimizer_peak"):
+        before, after = getattr(bf16, moment), getattr(fp16, moment)
+        added = {name: after[name] - before[name] for name in after if after[name] != before[name]}
+        scaler = 2 if moment == "after_forward" else 3  # the loss is scaled after the forward
+        assert added == {"optimizer": 4 * scaler, "allocator": 508 * scaler, "total": 512 * scaler}, moment
+
+
+def test_a_t4_mixes_in_fp16_and_refuses_bf16_as_training_does():
+    config = bert_base_config(num_hidden_layers=2)
+    t4 = GPUS["T4"]
+    options = dict(strategy="ddp", gpus=2, gpu=t4, environ={})
+    assert per_device(config, 16, 128, amp=True, **options) == per_device(config, 16, 128, amp="fp16", **options)
+    fp32, fp16 = (predict_step(config, 8, 128, gpu=t4, environ={}, amp=amp) for amp in (None, "fp16"))
+    assert fp16.after_forward["activations"] < fp32.after_forward["activations"]
+    with pytest.raises(ValueError, match=r"^--amp bf16: T4 \(sm75\) has no native bf16 .* use --amp fp16"):
+        per_device(config, 16, 128, amp="bf16", **options)

@@ -76,10 +76,74 @@ def test_fsdp2_calls_the_collectives_the_counter_watches():
     import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
 
     source = open(collectives.__file__, encoding="utf-8").read()
-    for name in torch_private.FSDP2_COLLECTIVES.values():
+    names = torch_private.fsdp2_collective_names(dist)
+    assert names == {"all-gather": "all_gather_single", "reduce-scatter": "reduce_scatter_single"}  # torch 2.13
+    for name in names.values():
         assert callable(getattr(dist, name)) and f"dist.{name}(" in source
     seen = []
     original = dist.all_gather_single
     with torch_private.seeing_fsdp2_collectives(lambda kind, tensor: seen.append(kind)):
         assert dist.all_gather_single is not original
     assert dist.all_gather_single is original and seen == []
+
+
+@pytest.fixture
+def fake_group():
+    """A process group of 2 ranks in this process (rank 0): collectives return at once, with the right shapes."""
+    dist.init_process_group("fake", store=torch_private.fake_store(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def test_on_a_torch_without_the_single_collectives_the_counter_watches_the_older_ones(monkeypatch, fake_group):
+    """Older torches have no all_gather_single/reduce_scatter_single, and their FSDP2 calls
+    ``dist.all_gather_into_tensor(output_tensor=..., input_tensor=...)`` and ``dist.reduce_scatter_tensor(output,
+    input, ...)``: the counter sees those, as FSDP2 calls them, and puts them back afterwards."""
+    monkeypatch.delattr(dist, "all_gather_single")
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    originals = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+    assert torch_private.fsdp2_collective_names(dist) == {"all-gather": "all_gather_into_tensor",
+                                                          "reduce-scatter": "reduce_scatter_tensor"}
+    seen = []
+    gathered, shard, grads = torch.zeros(8), torch.ones(4), torch.ones(6)
+    with torch_private.seeing_fsdp2_collectives(lambda kind, tensor: seen.append((kind, tensor))):
+        with pytest.warns(FutureWarning, match="is deprecated"):  # in torch 2.13, which has the new ones
+            dist.all_gather_into_tensor(output_tensor=gathered, input_tensor=shard, async_op=False)
+            dist.reduce_scatter_tensor(torch.zeros(3), grads, op=dist.ReduceOp.SUM)
+    assert [(kind, tensor is expected) for (kind, tensor), expected in zip(seen, (gathered, grads))] == [
+        ("all-gather", True), ("reduce-scatter", True)]
+    assert (dist.all_gather_into_tensor, dist.reduce_scatter_tensor) == originals
+
+
+def test_a_torch_with_neither_collective_fails_in_one_line_naming_the_torch_needed(monkeypatch):
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    monkeypatch.delattr(dist, "reduce_scatter_tensor")
+    with pytest.raises(TorchSurfaceMissing) as raised:
+        with torch_private.seeing_fsdp2_collectives(lambda kind, tensor: None):
+            pass
+    assert str(raised.value) == (f"helpers.memory needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has "
+                                 f"no torch.distributed.reduce_scatter_single or reduce_scatter_tensor (FSDP2's "
+                                 f"reduce-scatter)")
+    assert hasattr(dist, "all_gather_single")  # nothing was left wrapped
+
+
+def test_a_memory_snapshot_is_recorded_written_and_stopped(monkeypatch, tmp_path):
+    """Notebook 05's snapshot goes through torch_private (a CUDA build records; here the functions are stand-ins
+    with torch's signatures)."""
+    import torch.cuda.memory as cuda_memory
+
+    calls = []
+
+    def record(enabled="all", context="all", stacks="all", max_entries=2**63 - 1, device=None):
+        calls.append(("record", enabled, max_entries))
+
+    monkeypatch.setattr(cuda_memory, "_record_memory_history", record)
+    monkeypatch.setattr(cuda_memory, "_dump_snapshot", lambda filename: calls.append(("dump", filename)))
+    with torch_private.recording_memory_history(str(tmp_path / "snapshot.pickle")):
+        calls.append("step")
+    assert calls == [("record", "all", 100_000), "step", ("dump", str(tmp_path / "snapshot.pickle")),
+                     ("record", None, 2**63 - 1)]
+    monkeypatch.delattr(cuda_memory, "_dump_snapshot")
+    with pytest.raises(TorchSurfaceMissing, match=r"needs torch 2\.13 .* has no torch\.cuda\.memory\._dump_snapshot$"):
+        with torch_private.recording_memory_history("snapshot.pickle"):
+            pass

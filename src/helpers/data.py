@@ -22,6 +22,8 @@ SPLITS = ("train", "validation", "test")
 DATASET = "sentiment_ja"
 EXAMPLE_DATASET = "helpdesk_ja"  # train.csv, validation.csv, test.csv: three help-desk classes
 MAX_EXAMPLES = "HELPERS_MAX_EXAMPLES"  # environment variable: use only the first N examples of each split
+MAX_LENGTH = 128
+"""Tokens per example at most, [CLS] and [SEP] included: the training batches cut longer sentences there."""
 
 _DELIMITERS = {".tsv": "\t", ".txt": "\t", ".csv": ","}  # .txt: Excel's "Unicode text" is tab-separated
 _JSON_LINES = (".jsonl", ".ndjson")
@@ -325,7 +327,7 @@ def _line_at(raw: bytes, offset: int, codec: str) -> int:
 class PadToLongest:
     """Collate examples into a batch padded to its longest sentence (not to 512), with the attention mask."""
 
-    def __init__(self, tokenizer, max_length: int = 128):
+    def __init__(self, tokenizer, max_length: int = MAX_LENGTH):
         self.tokenizer = tokenizer
         self.max_length = max_length
 
@@ -342,14 +344,14 @@ class PadToLongest:
 
 
 def make_loader(examples: list[Example], tokenizer, batch_size: int = 32, *, shuffle: bool = False, seed: int = 0,
-                max_length: int = 128) -> DataLoader:
+                max_length: int = MAX_LENGTH) -> DataLoader:
     """A DataLoader of padded batches; with ``shuffle`` the order is fixed by ``seed``."""
     generator = torch.Generator().manual_seed(seed) if shuffle else None
     return DataLoader(examples, batch_size=batch_size, shuffle=shuffle, generator=generator,
                       collate_fn=PadToLongest(tokenizer, max_length))
 
 
-def count_truncated(examples: list[Example], tokenizer, max_length: int = 128) -> int:
+def count_truncated(examples: list[Example], tokenizer, max_length: int = MAX_LENGTH) -> int:
     """How many ``examples`` are longer than ``max_length`` tokens ([CLS] and [SEP] included), so that
     ``PadToLongest`` cuts them: the loader keeps every character, the tokenizer truncates."""
     longer = tokenizer([example.text for example in examples], truncation=True, max_length=max_length + 1)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helpers.data import LABELS, DataFileError, DataFiles, count_truncated, load_data_files, load_split
+from helpers.data import (LABELS, MAX_LENGTH, DataFileError, DataFiles, count_truncated, load_data_files,
+                          load_split)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def load(args: argparse.Namespace) -> tuple[DataFiles | None, str | None]:
     return data, None
 
 
-def describe(data: DataFiles, tokenizer, max_length: int = 128) -> str:
+def describe(data: DataFiles, tokenizer, max_length: int = MAX_LENGTH) -> str:
     """What was read: labels, sizes, and how many examples the tokenizer truncates at ``max_length`` tokens."""
     splits = [("train", data.train), ("validation", data.validation), ("test", data.test or [])]
     sizes = ", ".join(f"{name} {len(examples)}" for name, examples in splits if examples)

@@ -35,13 +35,14 @@ from helpers.checks import gpu_runs
 from helpers.checks.notebook_env import NOTEBOOK_ENV, lessons_then_solutions
 from helpers.launch import last_json
 from helpers.memory import (GIB, CudaPeak, GpuModel, attention_kernel, bert_base_config, load_table, measure_cuda_step,
-                            per_device, predict_step, sdpa_kernel, this_gpu, workspaces)
+                            mixed_precision, per_device, predict_step, sdpa_kernel, this_gpu, workspaces)
 
 ROOT = Path(__file__).resolve().parents[3]
 MIB = 2**20
-MEMORY_TOLERANCE = {"relative": 0.02, "fp32": 16 * MIB, "bf16": 48 * MIB}
+MEMORY_TOLERANCE = {"relative": 0.02, "fp32": 16 * MIB, "bf16": 48 * MIB, "fp16": 48 * MIB}
 """A measured allocated peak agrees with its prediction when it is within 2 % and within 16 MiB (fp32) or 48 MiB
-(bf16 autocast) of it: the targets the prediction met on the 24 settings measured on an H200."""
+(bf16 autocast) of it: the targets the prediction met on the 24 settings measured on an H200. fp16 autocast, which
+holds what bf16 holds (helpers.memory.per_device), gets bf16's."""
 ENVIRONMENT = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE",
                "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """The variables that change what the allocator holds; the report records them."""
@@ -55,7 +56,7 @@ class MemoryCase:
     batch_size: int
     seq_len: int
     attention: str = "sdpa"
-    amp: bool = False
+    amp: str | None = None  # "bf16" or "fp16": autocast (fp16 with a GradScaler); None: fp32
     accumulation: int = 1
     checkpointing: bool = False
     gpus: int = 1  # more than one: DataParallel over them
@@ -64,15 +65,16 @@ class MemoryCase:
         where = f"{self.gpus} GPU" if self.gpus == 1 else f"DataParallel x{self.gpus}"
         levers = (f", accumulation {self.accumulation}" if self.accumulation > 1 else "") + (
             ", checkpointing" if self.checkpointing else "")
-        return (f"{where}, {kernel}, {'bf16' if self.amp else 'fp32'}, B={self.batch_size}, L={self.seq_len}"
+        return (f"{where}, {kernel}, {self.amp or 'fp32'}, B={self.batch_size}, L={self.seq_len}"
                 + levers)
 
 
-def memory_cases(gpus: int, bf16: bool) -> list[MemoryCase]:
-    """The grid: B 8/16/32 x L 128/512, sdpa and eager, fp32 and (where supported) bf16 autocast; the two other
-    levers of helpers.finetune at B=16, L=512 (2 micro-batches; activation checkpointing); DataParallel over two
-    GPUs in the memo's setting where there are two."""
-    cases = [MemoryCase(batch, length, attention, amp) for amp in ((False, True) if bf16 else (False,))
+def memory_cases(gpus: int, mixed: str) -> list[MemoryCase]:
+    """The grid: B 8/16/32 x L 128/512, sdpa and eager, fp32 and the GPU's ``mixed`` precision (bf16 autocast, or
+    fp16 autocast with a GradScaler on a GPU without native bf16); the two other levers of helpers.finetune at
+    B=16, L=512 (2 micro-batches; activation checkpointing); DataParallel over two GPUs in the memo's setting
+    where there are two."""
+    cases = [MemoryCase(batch, length, attention, amp) for amp in (None, mixed)
              for attention in ("sdpa", "eager") for length in (128, 512) for batch in (8, 16, 32)]
     cases += [MemoryCase(16, 512, accumulation=2), MemoryCase(16, 512, checkpointing=True)]
     if gpus >= 2:
@@ -80,9 +82,9 @@ def memory_cases(gpus: int, bf16: bool) -> list[MemoryCase]:
     return cases
 
 
-def within_tolerance(predicted: int, measured: int, amp: bool) -> bool:
+def within_tolerance(predicted: int, measured: int, amp: str | None) -> bool:
     gap = abs(measured - predicted)
-    return gap <= MEMORY_TOLERANCE["bf16" if amp else "fp32"] and gap <= MEMORY_TOLERANCE["relative"] * predicted
+    return gap <= MEMORY_TOLERANCE[amp or "fp32"] and gap <= MEMORY_TOLERANCE["relative"] * predicted
 
 
 def gap_causes(predicted: dict[str, int], predicted_requested: int, measured: CudaPeak, traced_kernel: str,
@@ -110,8 +112,9 @@ def gap_causes(predicted: dict[str, int], predicted_requested: int, measured: Cu
 
 def check_memory_case(config, case: MemoryCase, gpu: GpuModel) -> list[tuple[bool, str]]:
     """Predict and measure one case on ``gpu`` (this machine's GPU 0, with the kernels it picks); one line per GPU."""
-    traced = attention_kernel(gpu, case.amp) if case.attention == "sdpa" else "eager"
-    measured_kernel = gpu.kernels[case.amp] if case.attention == "sdpa" else "eager"
+    precision = case.amp or "fp32"
+    traced = attention_kernel(gpu, precision) if case.attention == "sdpa" else "eager"
+    measured_kernel = dict(gpu.kernels)[precision] if case.attention == "sdpa" else "eager"
     options = dict(attention=case.attention, amp=case.amp, accumulation=case.accumulation,
                    checkpointing=case.checkpointing, gpu=gpu, environ=dict(os.environ))
     strategy = "single" if case.gpus == 1 else "dataparallel"
@@ -144,15 +147,14 @@ def check_memory(cases: list[MemoryCase] | None = None):
     """Yield the memory lines: first the kernels and workspaces of this GPU, then one line per case and GPU."""
     config = bert_base_config()
     gpu = this_gpu(0)
-    bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # not emulated bf16 (V100, T4)
+    mixed, why = mixed_precision(gpu)
     held = workspaces(gpu.capability, os.environ)
     yield True, ("info " + gpu.name + f" ({gpu.sm}, {gpu.sm_count} SMs); attention (sdpa, unmasked): "
-                 + ", ".join(f"{'bf16' if amp else 'fp32'} -> {gpu.kernels[amp]} (by compute capability: "
-                             f"{sdpa_kernel(gpu.capability, amp)})" for amp in ((False, True) if bf16 else (False,)))
+                 + ", ".join(f"{precision} -> {kernel} (by compute capability: "
+                             f"{sdpa_kernel(gpu.capability, precision)})" for precision, kernel in gpu.kernels)
                  + "; workspaces predicted: " + ", ".join(f"{name} {size / MIB:g} MiB" for name, size in held.items()))
-    if not bf16:
-        yield True, "skip AMP checks: this GPU does not support bf16"
-    for case in cases or memory_cases(torch.cuda.device_count(), bf16):
+    yield True, f"info AMP checks in {mixed}: {why}"
+    for case in cases or memory_cases(torch.cuda.device_count(), mixed):
         yield from check_memory_case(config, case, gpu)
     if torch.cuda.device_count() < 2:
         yield True, "skip DataParallel per-device check: needs 2 CUDA GPUs"

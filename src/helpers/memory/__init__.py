@@ -6,9 +6,10 @@ needs no torch) or running one (``python -m helpers.memory.cuda_step``) loads on
 
 Inside, one module per concern (each imports only those above it in this list):
 
-- ``torch_private``: every private PyTorch surface the predictor rests on, checked against the torch it was
-  written for; ``categories``: the words memory is split into (weights, gradients, ...), in one order;
-- ``gpu_facts``: GPUs as a table, and what CUDA allocates besides tensors, read in PyTorch's C++ (pure: no torch);
+- ``torch_private``: every private PyTorch surface the predictor and the notebooks rest on, checked against the
+  torch it was written for; ``categories``: the words memory is split into (weights, gradients, ...), in one order;
+- ``gpu_facts``: GPUs as a table, which mixed precision and attention kernel each runs, and what CUDA allocates
+  besides tensors, read in PyTorch's C++ (pure: no torch);
 - ``allocator`` and ``simulated_gpu``: PyTorch's caching allocator in Python, and a GPU replaying a traced step;
 - ``configs``: the BERT shapes; ``formulas``: parameter and activation bytes in closed form;
 - ``kernels``, ``tracker``, ``tracer``: a step traced on fake tensors as CUDA runs it;
@@ -32,10 +33,12 @@ EXPORTS = {
     "formulas": ("activation_formula", "layer_activation_bytes", "parameter_bytes", "parameters"),
     "fsdp2": ("FSDP2_CATEGORIES", "fsdp_categories", "predict_fsdp", "trace_fsdp"),
     "fsdp2_table": ("load_table",),
-    "gpu_facts": ("GIB", "GPUS", "GpuModel", "attention_kernel", "sdpa_kernel", "workspaces"),
+    "gpu_facts": ("GIB", "GPUS", "PRECISIONS", "GpuModel", "amp_precision", "attention_kernel", "mixed_precision",
+                  "sdpa_kernel", "workspaces"),
     "prediction": ("FITS", "default_gpu", "largest_batch", "per_device", "predict_cpu_step", "predict_step"),
     "record": ("h200_steps",),
     "tracer": ("trace_fake",),
+    "torch_private": ("recording_memory_history",),
     "tracker": ("tracking",),
 }
 """The front door's names, by the module that defines them."""

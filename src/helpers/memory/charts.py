@@ -1,7 +1,13 @@
 """Charts of predicted memory: stacked bars of GiB by category, one bar per GPU (notebooks 05 and 08, the
-README's chart). Matplotlib is imported when a chart is drawn, not with the package."""
+README's chart). Matplotlib is imported when a chart is drawn, not with the package.
+
+    python -m helpers.memory.charts docs/img/per_device_memory.png    # the README's chart (make memory-chart)
+"""
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 from helpers.memory.configs import bert_base_config
 from helpers.memory.gpu_facts import GIB, GPUS
@@ -87,3 +93,12 @@ def plot_per_rank(table: dict, cards_gib=(16, 24, 40, 80)):
     axes[0][0].set_ylabel("GiB per GPU (predicted)")
     legend_above(fig, axes[0])
     return fig
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m helpers.memory.charts", description=memo_chart.__doc__)
+    parser.add_argument("png", type=Path, help="the file to write, e.g. docs/img/per_device_memory.png")
+    path = parser.parse_args().png
+    path.parent.mkdir(parents=True, exist_ok=True)
+    memo_chart(str(path))
+    print(f"wrote {path}")

@@ -20,7 +20,8 @@ from torch import nn
 
 from helpers.levers import enable_checkpointing
 from helpers.memory.configs import bert_base_config
-from helpers.memory.gpu_facts import GpuModel
+from helpers.memory.gpu_facts import PRECISIONS, GpuModel, amp_precision
+from helpers.memory.kernels import DTYPES
 from helpers.memory.torch_private import clear_cublas_workspaces, fused_sdp_choice
 from helpers.memory.tracer import build_model
 
@@ -48,14 +49,18 @@ def clean_state(device: int = 0) -> int:
 
 
 def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int], *, attention: str = "sdpa",
-                      amp: bool = False, accumulation: int = 1, checkpointing: bool = False) -> list[CudaPeak]:
+                      amp: bool | str | None = None, accumulation: int = 1,
+                      checkpointing: bool = False) -> list[CudaPeak]:
     """The allocator's peaks per device over one Adam step of ``Net`` with random weights.
 
     One device: the model on it. Several: ``nn.DataParallel`` over them. A first step creates Adam's state
     (as in the prediction), then the peaks are reset and the measured step runs with ``batch_size`` examples in
-    ``accumulation`` micro-batches, its forward and loss under ``torch.autocast("cuda", dtype=torch.bfloat16)``
-    when ``amp``, each encoder layer recomputed in backward when ``checkpointing``.
+    ``accumulation`` micro-batches, each encoder layer recomputed in backward when ``checkpointing``. ``amp`` as
+    ``helpers.memory.predict_step`` takes it (True: the GPU's own mixed precision): the forward and loss under
+    ``torch.autocast("cuda", dtype=...)``; in fp16 with a ``torch.amp.GradScaler``, which scales each loss and
+    unscales once before the optimizer step, as ``--amp fp16`` trains.
     """
+    precision = amp_precision(_model(devices[0]), amp)
     leftovers = [clean_state(device) for device in devices]
     torch.manual_seed(0)
     model = build_model(config, attention=attention, device="cpu")
@@ -63,6 +68,7 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
         enable_checkpointing(model)
     model = model.to(f"cuda:{devices[0]}")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
     net = nn.DataParallel(model, device_ids=devices) if len(devices) > 1 else model
     net.train()
 
@@ -70,11 +76,12 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
         for _ in range(micro_batches):
             input_ids = torch.randint(0, config.vocab_size, (size // micro_batches, length), device=f"cuda:{devices[0]}")
             labels = torch.randint(0, 2, (size // micro_batches,), device=f"cuda:{devices[0]}")
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast("cuda", dtype=DTYPES[precision], enabled=precision != "fp32"):
                 loss = nn.functional.cross_entropy(net(input_ids, torch.ones_like(input_ids)), labels) / micro_batches
-            loss.backward()
+            scaler.scale(loss).backward()
             del loss, input_ids, labels
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad()
 
     step(len(devices), 8)
@@ -85,7 +92,7 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
         before.append(torch.cuda.memory_allocated(device))
     step(batch_size, seq_len, accumulation)
     stats = [torch.cuda.memory_stats(device) for device in devices]
-    del net, model, optimizer
+    del net, model, optimizer, scaler
     gc.collect()
     return [CudaPeak(leftover, held, stat["allocated_bytes.all.peak"], stat["requested_bytes.all.peak"],
                      torch.cuda.memory_allocated(device))
@@ -106,14 +113,19 @@ def gpu_sdpa_kernel(config, batch_size: int, seq_len: int, dtype: torch.dtype) -
             "CUDNN_ATTENTION": "cuDNN", "MATH": "math"}.get(names.get(choice), str(names.get(choice, choice)))
 
 
-def this_gpu(device: int = 0) -> GpuModel:
-    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
-    kernels it picks for BERT's training call (asked of torch, ``gpu_sdpa_kernel``)."""
+def _model(device: int, kernels: tuple[tuple[str, str], ...] | None = None) -> GpuModel:
     props = torch.cuda.get_device_properties(device)
-    with torch.cuda.device(device):
-        kernels = tuple(gpu_sdpa_kernel(bert_base_config(), 8, 128, dtype) for dtype in (torch.float32, torch.bfloat16))
     return GpuModel(props.name, (props.major, props.minor), props.multi_processor_count,
                     props.max_threads_per_multi_processor, props.total_memory, kernels)
+
+
+def this_gpu(device: int = 0) -> GpuModel:
+    """The model of a CUDA device of this machine, from ``torch.cuda.get_device_properties``, with the attention
+    kernel it picks for BERT's training call in each precision (asked of torch, ``gpu_sdpa_kernel``; bf16 too on
+    a GPU without native bf16, where torch emulates it)."""
+    with torch.cuda.device(device):
+        kernels = tuple((name, gpu_sdpa_kernel(bert_base_config(), 8, 128, DTYPES[name])) for name in PRECISIONS)
+    return _model(device, kernels)
 
 
 def measure_fsdp_rank(batch_size: int, seq_len: int) -> None:

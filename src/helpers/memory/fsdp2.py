@@ -28,8 +28,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from helpers.fsdp import shard
 from helpers.memory.categories import FSDP_MEMTRACKER, in_order, in_words
-from helpers.memory.gpu_facts import GPUS, GpuModel, workspaces
-from helpers.memory.kernels import CudaLikeKernels
+from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision, workspaces
+from helpers.memory.kernels import DTYPES, CudaLikeKernels
 from helpers.memory.torch_private import FakeTensorMode, fake_store
 from helpers.memory.tracer import build_model
 from helpers.memory.tracker import tracking
@@ -54,13 +54,14 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_precision: bool = False,
+def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_precision: str | None = None,
                checkpointing: bool = False, gpu: GpuModel = GPUS["H200"], seed: int = 0) -> dict[str, int]:
     """Peak bytes of rank 0 of ``world_size`` over one Adam step, by FSDPMemTracker's own categories.
 
     ``batch_size`` is the per-rank batch. ``Net`` is sharded as helpers.fsdp.shard does (each BertLayer, then
-    the root); ``mixed_precision`` computes in bfloat16 (``MixedPrecisionPolicy``; fp32 weights, gradients
-    reduced in fp32). Attention is traced as the CUDA SDPA kernel, as in helpers.memory's default; the
+    the root); ``mixed_precision`` ("bf16" or "fp16") computes in that type (``MixedPrecisionPolicy``; fp32
+    weights, gradients reduced in fp32; a GradScaler's few bytes under fp16 are left out). Attention is traced as
+    the CUDA SDPA kernel the GPU picks for that type, as in helpers.memory's default; the
     recomputation of ``checkpointing`` runs under the same kernels. A warm-up step on a small batch creates
     Adam's state first. FakeTensorMode's dispatch cache is shared by the whole process, and a 2-layer
     checkpointed model held one more hidden state at its peak when traced with it empty than after another
@@ -69,7 +70,7 @@ def trace_fsdp(config, batch_size: int, seq_len: int, world_size: int, *, mixed_
     key = (config.to_json_string(), batch_size, seq_len, world_size, mixed_precision, checkpointing, gpu, seed)
     if key in _traces:
         return _traces[key]
-    options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mixed_precision else {}
+    options = {"mp_policy": MixedPrecisionPolicy(DTYPES[mixed_precision], torch.float32)} if mixed_precision else {}
     generator = torch.Generator().manual_seed(seed)
     FakeTensorMode.cache_clear()
     with fake_process_group(world_size) as mesh:
@@ -118,13 +119,17 @@ def fsdp_categories(peak: dict[str, int], offload: bool = False, held: int = 0) 
 
 
 def predict_fsdp(config, batch_size: int, seq_len: int, gpus: int, lever: str = "none", *,
-                 gpu: GpuModel = GPUS["H200"], environ: dict[str, str] | None = None) -> dict[str, int]:
+                 gpu: GpuModel = GPUS["H200"], environ: dict[str, str] | None = None,
+                 precision: str | None = None) -> dict[str, int]:
     """Rank 0's predicted peak bytes by category, for FSDP over ``gpus`` with a per-rank batch of ``batch_size``,
     on ``gpu`` (its attention kernel, and its workspaces under ``environ``; default: this process's environment,
-    as for ``helpers.memory.predict_step``)."""
+    as for ``helpers.memory.predict_step``). The "mixed precision" lever computes in ``precision`` ("bf16" or
+    "fp16"; default: the GPU's own, ``helpers.memory.gpu_facts.mixed_precision``)."""
     if lever not in LEVERS:
         raise ValueError(f"lever={lever!r}: expected one of {LEVERS}")
-    options = {"mixed_precision": lever == "mixed precision", "checkpointing": lever == "checkpointing", "gpu": gpu}
+    precision = amp_precision(gpu, precision or True)
+    options = {"mixed_precision": precision if lever == "mixed precision" else None,
+               "checkpointing": lever == "checkpointing", "gpu": gpu}
     held = sum(workspaces(gpu.capability, os.environ if environ is None else environ).values())
     return fsdp_categories(trace_fsdp_by_layers(config, batch_size, seq_len, gpus, **options),
                            offload=lever == "CPU offload", held=held)

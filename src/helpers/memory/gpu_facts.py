@@ -12,10 +12,8 @@ Sources (C++, not part of the installed wheel; read on github.com/pytorch/pytorc
 - aten/src/ATen/native/cuda/Reduce.cuh (``setReduceConfig``, ``ReduceConfig::global_memory_size``,
   ``gpu_reduce_kernel``): a sum over the rows of an (N, C) tensor splits each column over several blocks when N
   is large, and the blocks meet in a staging buffer taken from the caching allocator for the kernel's duration.
-- aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (commit 001f694): which fused attention kernel
-  ``scaled_dot_product_attention`` may use (``check_flash_attention_hardware_support``: sm80 to sm121;
-  ``check_prefer_cudnn_attention``: cuDNN first on sm90, sm100 and sm103 with cuDNN newer than 9.15 (CUDA 12
-  wheels; any sm9x/sm10x with CUDA 13); fp16/bf16 only for flash and cuDNN).
+- aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (commit 001f694) and aten/src/ATen/Context.h: which
+  kernel ``scaled_dot_product_attention`` picks (``sdpa_kernel`` below names the functions, one rule each).
 """
 
 from __future__ import annotations
@@ -35,11 +33,19 @@ class GpuModel:
     sm_count: int                 # multiProcessorCount
     max_threads_per_sm: int       # maxThreadsPerMultiProcessor
     memory: int                   # bytes, as sold (nvidia-smi shows a little less)
-    kernels: tuple[str, str] | None = None  # the attention kernels (fp32, bf16) this GPU was seen to pick, if asked
+    kernels: tuple[tuple[str, str], ...] | None = None  # (precision, attention kernel) pairs this GPU was seen to
+    #                                                     pick, where it was asked (``cuda_step.this_gpu``)
 
     @property
     def sm(self) -> str:
         return f"sm{self.capability[0]}{self.capability[1]}"
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the GPU computes bf16 itself (compute capability 8.0 or later), which is what
+        ``torch.cuda.is_bf16_supported(including_emulation=False)`` asks and ``helpers.finetune --amp bf16`` needs.
+        The T4 (sm75) and the V100 (sm70) have fp16 tensor cores and no bf16."""
+        return tuple(self.capability) >= (8, 0)
 
 
 # One row per GPU model. NVIDIA's published figures (SM counts from each product's datasheet; threads per SM from the CUDA C++
@@ -140,40 +146,103 @@ def reduce_buffers(rows: int, columns: int, gpu: GpuModel, *, accumulate_bytes: 
     return accumulate_bytes * columns * ctas * width * vector, 4 * grid
 
 
+# --- mixed precision -------------------------------------------------------------------------------------------
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+"""What a step computes its matrix products in: fp32, or autocast's fp16 or bf16 (``--amp`` of helpers.finetune)."""
+
+
+def mixed_precision(gpu: GpuModel) -> tuple[str, str]:
+    """The autocast type mixed precision uses on ``gpu``, and why, in words a notebook prints: bf16 where the GPU
+    computes it, else fp16, which needs a gradient scaler (``--amp fp16`` of helpers.finetune)."""
+    if gpu.native_bf16:
+        return "bf16", f"{gpu.name} ({gpu.sm}) computes bf16 natively"
+    return "fp16", (f"{gpu.name} ({gpu.sm}) has fp16 tensor cores and no native bf16, so fp16 autocast with a "
+                    f"gradient scaler (--amp fp16)")
+
+
+def bf16_refusal(gpu: GpuModel) -> str | None:
+    """Why ``--amp bf16`` cannot run on ``gpu`` (as helpers.finetune refuses it there), naming ``--amp fp16``; None
+    where it can."""
+    if gpu.native_bf16:
+        return None
+    return (f"--amp bf16: {gpu.name} ({gpu.sm}) has no native bf16 (it needs compute capability 8.0 or later); use "
+            f"--amp fp16 (fp16 autocast with a gradient scaler), or leave out --amp for fp32")
+
+
+def amp_precision(gpu: GpuModel, amp: bool | str | None) -> str:
+    """What ``amp`` means on ``gpu``, as one of PRECISIONS: None or False fp32; True the GPU's own mixed precision
+    (``mixed_precision``); "bf16" or "fp16" that type, bf16 refused where the GPU lacks it (``bf16_refusal``)."""
+    if amp is None or amp is False or amp == "fp32":
+        return "fp32"
+    if amp is True:
+        return mixed_precision(gpu)[0]
+    if amp not in PRECISIONS:
+        raise ValueError(f"amp={amp!r}: expected None, True, 'bf16' or 'fp16'")
+    if amp == "bf16" and not gpu.native_bf16:
+        raise ValueError(bf16_refusal(gpu))
+    return amp
+
+
 # --- attention kernels ----------------------------------------------------------------------------------------
 
 FLASH_CAPABILITIES = ((8, 0), (12, 1))             # check_flash_attention_hardware_support: [sm80, sm121]
+CUDNN_CAPABILITIES = ((8, 0), (12, 1))             # check_cudnn_hardware_support: [sm80, sm121]
 MEMORY_EFFICIENT_CAPABILITIES = ((5, 0), (12, 1))  # check_mem_efficient_hardware_support: [sm50, sm121]
 CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))           # check_prefer_cudnn_attention, CUDA 12 wheels
+DEFAULT_ORDER = ("flash", "memory-efficient", "math", "cuDNN")  # Context.h, sdp_priority_order
+CUDNN_ORDER = ("cuDNN", "flash", "memory-efficient", "math")    # priority_order, where cuDNN is preferred
 
 
-def sdpa_kernel(capability: tuple[int, int], half: bool, masked: bool = False) -> str:
+def _within(capability: tuple[int, int], bounds: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+    return bounds[0] <= capability <= bounds[1]  # check_sm_version: inclusive at both ends
+
+
+def _can_use(kernel: str, capability: tuple[int, int], precision: str, masked: bool) -> bool:
+    """Whether ``kernel`` passes the checks of sdp_utils.cpp that depend on the GPU, the dtype and a mask (BERT's
+    head size 64, dense tensors and dropout pass the others)."""
+    sm80_or_later = capability >= (8, 0)
+    if kernel in ("flash", "cuDNN"):
+        # can_use_flash_attention, can_use_cudnn_attention: check_dtypes_low_precision takes fp16 and bf16 from
+        # sm80 on and fp16 only below; check_for_attn_mask (flash) refuses a mask, and so does the cuDNN path here
+        bounds = FLASH_CAPABILITIES if kernel == "flash" else CUDNN_CAPABILITIES
+        dtypes = ("fp16", "bf16") if sm80_or_later else ("fp16",)
+        return _within(capability, bounds) and precision in dtypes and not masked
+    if kernel == "memory-efficient":
+        # can_use_mem_efficient_attention: greater_than_or_equal_sm80_mem_efficient_dtypes (fp16, fp32, bf16),
+        # less_than_sm80_mem_efficient_dtypes (fp16, fp32); masks are taken
+        dtypes = PRECISIONS if sm80_or_later else ("fp32", "fp16")
+        return _within(capability, MEMORY_EFFICIENT_CAPABILITIES) and precision in dtypes
+    return True  # math: any GPU, any dtype
+
+
+def sdpa_kernel(capability: tuple[int, int], precision: str, masked: bool = False) -> str:
     """The kernel ``scaled_dot_product_attention`` picks for BERT's training call (head size 64, dropout) on a GPU
-    of this compute capability: ``half`` for fp16/bf16 inputs (autocast), ``masked`` with a padding mask.
+    of this compute capability, with inputs in ``precision`` (one of PRECISIONS; autocast's type under --amp), and
+    ``masked`` with a padding mask.
 
-    Flash and cuDNN attention take fp16/bf16 only, and no arbitrary mask. Where PyTorch prefers cuDNN
-    (``CUDNN_FIRST``) it comes first; else flash, on ``FLASH_CAPABILITIES``; else the memory-efficient kernel,
-    on ``MEMORY_EFFICIENT_CAPABILITIES``; else the math kernel, which keeps the L x L probabilities (read in
-    sdp_utils.cpp, priority order; measured on the H200 with torch 2.11: fp32 memory-efficient, bf16 cuDNN). On a
-    GPU, ``helpers.memory.cuda_step.gpu_sdpa_kernel`` asks torch instead.
+    ``select_sdp_backend`` (sdp_utils.cpp) walks ``priority_order`` and takes the first kernel whose checks pass:
+    flash, memory-efficient, math, cuDNN (``sdp_priority_order`` in aten/src/ATen/Context.h), or cuDNN first on
+    ``CUDNN_FIRST`` (``check_prefer_cudnn_attention``: sm90, sm100 and sm103 with cuDNN newer than 9.15, as the
+    CUDA 12 wheels ship it; any sm9x/sm10x with CUDA 13). The checks (``_can_use``): flash and cuDNN need sm80 to
+    sm121 and fp16/bf16, and no mask; the memory-efficient kernel needs sm50 to sm121 and takes fp32, fp16 and,
+    from sm80 on, bf16; the math kernel, which keeps the L x L probabilities, takes anything. So on the T4 (sm75)
+    and the V100 (sm70): fp32 and fp16 memory-efficient, bf16 math. Measured on the H200 with torch 2.11: fp32
+    memory-efficient, bf16 cuDNN. On a GPU, ``helpers.memory.cuda_step.gpu_sdpa_kernel`` asks torch instead.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
     capability = tuple(capability)
-    if half and not masked:
-        if capability in CUDNN_FIRST:
-            return "cuDNN"
-        if FLASH_CAPABILITIES[0] <= capability <= FLASH_CAPABILITIES[1]:
-            return "flash"
-    if MEMORY_EFFICIENT_CAPABILITIES[0] <= capability <= MEMORY_EFFICIENT_CAPABILITIES[1]:
-        return "memory-efficient"
-    return "math"
+    order = CUDNN_ORDER if capability in CUDNN_FIRST else DEFAULT_ORDER
+    return next(kernel for kernel in order if _can_use(kernel, capability, precision, masked))
 
 
-def attention_kernel(gpu: GpuModel, half: bool, masked: bool = False) -> str:
-    """The kernel ``gpu`` runs BERT's attention with: what it was seen to pick where it was asked (an unmasked
-    batch), else ``sdpa_kernel`` by its compute capability."""
-    if gpu.kernels and not masked:
-        return gpu.kernels[half]
-    return sdpa_kernel(gpu.capability, half, masked)
+def attention_kernel(gpu: GpuModel, precision: str, masked: bool = False) -> str:
+    """The kernel ``gpu`` runs BERT's attention with in ``precision``: what it was seen to pick where it was asked
+    (an unmasked batch), else ``sdpa_kernel`` by its compute capability."""
+    if gpu.kernels and not masked and precision in dict(gpu.kernels):
+        return dict(gpu.kernels)[precision]
+    return sdpa_kernel(gpu.capability, precision, masked)
 
 
 MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB|G|M)?\s*$", re.IGNORECASE)

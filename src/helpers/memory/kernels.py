@@ -17,6 +17,9 @@ from helpers.memory.torch_private import fused_attention, native_dropout
 # log_softmax (inside cross_entropy) run in fp32; everything else (gelu, dropout, add) keeps its input's type.
 _LOWER_PRECISION = {nn.functional.linear, torch.matmul, nn.functional.scaled_dot_product_attention}
 _FP32 = {nn.functional.layer_norm, nn.functional.softmax, nn.functional.log_softmax, nn.functional.cross_entropy}
+PRECISION_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+"""Each dtype a step computes in, by its name in helpers.memory.gpu_facts.PRECISIONS."""
+DTYPES = {name: dtype for dtype, name in PRECISION_OF.items()}
 
 
 class CudaLikeKernels(TorchFunctionMode):
@@ -94,8 +97,9 @@ class CudaLikeKernels(TorchFunctionMode):
         return native_dropout(input, p, True)[0] if training and p > 0 else input
 
     def fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        kernel = attention_kernel(self.gpu, query.dtype in (torch.float16, torch.bfloat16), attn_mask is not None)
-        if kernel == "math":  # a GPU older than sm50: the unfused computation, as the CPU runs it
+        kernel = attention_kernel(self.gpu, PRECISION_OF[query.dtype], attn_mask is not None)
+        if kernel == "math":  # the unfused computation as the CPU runs it: only bf16 below sm80, which helpers.memory
+            #                   refuses as helpers.finetune does (gpu_facts.amp_precision)
             return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                               scale=scale)
         if kernel == "memory-efficient" and attn_mask is not None and attn_mask.dtype == torch.bool:

@@ -17,7 +17,8 @@ from helpers.levers import amp_dtype
 from helpers.memory.cuda_step import this_gpu
 from helpers.memory.formulas import parameter_bytes
 from helpers.memory.fsdp2 import predict_fsdp
-from helpers.memory.gpu_facts import GPUS, GpuModel
+from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision
+from helpers.memory.kernels import DTYPES
 from helpers.memory.torch_private import FakeTensorMode
 from helpers.memory.tracer import StepMemory, build_model, trace_fake, trace_step
 
@@ -35,23 +36,28 @@ def default_gpu() -> GpuModel:
 
 def predict_step(config, batch_size: int, seq_len: int, *, gpu: GpuModel | None = None,
                  environ: dict[str, str] | None = None, attention: str = "sdpa", checkpointing: bool = False,
-                 amp: bool = False, accumulation: int = 1) -> StepMemory:
+                 amp: bool | str | None = None, accumulation: int = 1) -> StepMemory:
     """One device's step with ``batch_size`` examples (``accumulation`` micro-batches), traced and replayed into a
     simulated ``gpu`` (default: ``default_gpu()``) whose workspaces follow ``environ`` (default: this process's
-    environment). Results are kept, so a question asked twice costs nothing."""
+    environment). ``amp``: None for fp32, "bf16" or "fp16" (``--amp``), or True for the mixed precision ``gpu``
+    supports (``helpers.memory.gpu_facts.mixed_precision``); bf16 is refused on a GPU without it, as
+    helpers.finetune refuses it. Results are kept, so a question asked twice costs nothing."""
     gpu = gpu or default_gpu()
+    precision = amp_precision(gpu, amp)
     environ = dict(os.environ if environ is None else environ)
     relevant = tuple(sorted((k, v) for k, v in environ.items() if "CUBLAS" in k))
-    key = (config.to_json_string(), batch_size, seq_len, gpu, relevant, attention, checkpointing, amp, accumulation)
+    key = (config.to_json_string(), batch_size, seq_len, gpu, relevant, attention, checkpointing, precision,
+           accumulation)
     if key not in _steps:
         _steps[key] = trace_fake(config, batch_size, seq_len, attention=attention, checkpointing=checkpointing,
-                                 amp_dtype=torch.bfloat16 if amp else None, accumulation=accumulation, gpu=gpu,
-                                 environ=environ)
+                                 amp_dtype=None if precision == "fp32" else DTYPES[precision],
+                                 accumulation=accumulation, gpu=gpu, environ=environ)
     return _steps[key]
 
 
 def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single", gpus: int = 1,
-               accumulation: int = 1, checkpointing: bool = False, amp: bool = False, attention: str = "sdpa",
+               accumulation: int = 1, checkpointing: bool = False, amp: bool | str | None = None,
+               attention: str = "sdpa",
                gradient_as_bucket_view: bool = False, gpu: GpuModel | None = None,
                environ: dict[str, str] | None = None) -> list[dict[str, int]]:
     """Peak bytes per GPU of one step with global batch ``batch_size``, by category, one dict per GPU.
@@ -66,18 +72,21 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
       parameters DDP reduces (all but the pooler, which the project drops for DDP: ``Net(pooler=False)``); with
       ``gradient_as_bucket_view`` the gradients live in the buckets.
     - fsdp2: ``helpers.memory.fsdp2.predict_fsdp`` (FSDPMemTracker on a fake process group), one lever at a time.
-    - amp: CUDA autocast's rules with bf16 (``helpers.memory.kernels.CudaLikeKernels``): weights, gradients and Adam
-      state stay fp32; linear layers and attention save bf16 tensors and bf16 copies of their weights, while
-      softmax, layer_norm and the loss keep fp32.
+    - amp (``predict_step``'s): CUDA autocast's rules (``helpers.memory.kernels.CudaLikeKernels``): weights,
+      gradients and Adam state stay fp32; linear layers and attention save 16-bit tensors and 16-bit copies of
+      their weights, while softmax, layer_norm and the loss keep fp32. fp16 holds what bf16 holds, byte for byte,
+      plus the GradScaler's few tensors; where the two differ, it is by the attention kernel the GPU picks.
     """
     if strategy not in PREDICTED_STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {PREDICTED_STRATEGIES}")
     gpus = 1 if strategy == "single" else gpus
     if batch_size % gpus:
         raise ValueError(f"batch_size={batch_size} does not split evenly over gpus={gpus}")
+    gpu = gpu or default_gpu()
+    amp = amp_precision(gpu, amp)
     if strategy == "fsdp2":
-        return _fsdp2(config, batch_size // gpus, seq_len, gpus, accumulation, checkpointing, amp, attention,
-                      gpu or default_gpu(), environ)
+        return _fsdp2(config, batch_size // gpus, seq_len, gpus, accumulation, checkpointing, amp, attention, gpu,
+                      environ)
     step = predict_step(config, batch_size // gpus, seq_len, gpu=gpu, environ=environ, attention=attention,
                         checkpointing=checkpointing, amp=amp, accumulation=accumulation)
     peak = _parts(step.peak)
@@ -98,12 +107,14 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
     return [_total(rank) for _ in range(gpus)]
 
 
-def _fsdp2(config, per_rank, seq_len, gpus, accumulation, checkpointing, amp, attention, gpu, environ):
-    if accumulation != 1 or attention != "sdpa" or (amp and checkpointing):
+def _fsdp2(config, per_rank, seq_len, gpus, accumulation, checkpointing, precision, attention, gpu, environ):
+    mixed = precision != "fp32"
+    if accumulation != 1 or attention != "sdpa" or (mixed and checkpointing):
         raise ValueError("strategy='fsdp2' predicts sdpa attention with at most one lever (amp or checkpointing), "
                          "without accumulation")
-    lever = "mixed precision" if amp else "checkpointing" if checkpointing else "none"
-    rank = predict_fsdp(config, per_rank, seq_len, gpus, lever, gpu=gpu, environ=environ)
+    lever = "mixed precision" if mixed else "checkpointing" if checkpointing else "none"
+    rank = predict_fsdp(config, per_rank, seq_len, gpus, lever, gpu=gpu, environ=environ,
+                        **({"precision": precision} if mixed else {}))
     return [dict(rank) for _ in range(gpus)]
 
 
@@ -124,7 +135,10 @@ def largest_batch(config, seq_len: int, capacity: int, *, known: int | None = No
     """The largest global batch (a multiple of gpus x accumulation) whose predicted peak fits FITS x ``capacity``
     on every GPU, or 0. What grows with the batch (activations, temporaries, buffers) grows almost linearly, so
     the batch ``known`` (already predicted; default 2 micro-batches per GPU) gives a first guess, and a few
-    traces around it settle the boundary."""
+    traces around it settle the boundary. The allocator's blocks make the peak a little uneven (a few MiB up or
+    down from one batch to the next), so each guess aims just past where the line through the last two traces
+    crosses the limit, further each time it lands on the same side, and halves the interval where that leaves it;
+    the answer is a batch that fits next to one that does not."""
     gpus = options.get("gpus", 1) if options.get("strategy", "single") != "single" else 1
     unit = gpus * options.get("accumulation", 1)
     limit = FITS * capacity
@@ -141,18 +155,23 @@ def largest_batch(config, seq_len: int, capacity: int, *, known: int | None = No
     slope = max(device["total"] - fixed, 1) / count
     fits, fails = 0, None  # the largest count known to fit, the smallest known not to
     count = max(1, int((limit - fixed) // slope))
+    last, side, past = None, None, 1  # the count traced before; whether it fitted; how far past the line to aim
     while fails is None or fails > fits + 1:
-        if peak(count) <= limit:
+        fitted = peak(count) <= limit
+        if fitted:
             fits = max(fits, count)
         else:
             fails = count if fails is None else min(fails, count)
         if fails == 1:
             return 0
-        if fits and fails:    # a line through the two points around the limit
-            slope = (peak(fails) - peak(fits)) / (fails - fits)
-        base = fits or fails
-        guess = base + int((limit - peak(base)) // max(slope, 1))
-        count = max(fits + 1, min(guess, fails - 1 if fails else guess))
+        past = 2 * past if fitted == side else 1  # landing on the same side again: aim further past
+        if last is not None and last != count and peak(last) != peak(count):  # the line through the last two
+            slope = (peak(count) - peak(last)) / (count - last)
+        crossing = count + int((limit - peak(count)) // max(slope, 1))
+        guess = crossing + past if fitted else crossing - past  # just past the line, so as to bracket the limit
+        if fails is not None and not fits < guess < fails:
+            guess = (fits + fails) // 2
+        last, side, count = count, fitted, max(fits + 1, guess)
         if count in traced:
             count = (fits + fails) // 2 if fails else count + 1
     return fits * unit

@@ -31,12 +31,15 @@ from helpers.memory.torch_private import (BIAS_GEMM, GEMMS, SUM_OVER_DIMS, Torch
 
 FILED = tuple(word for word in ORDER if word not in ("gathered", "buckets"))
 """What one simulated GPU files bytes under: no FSDP2 gathered weights, no DDP buckets (the prediction adds those)."""
+FILED_AS = {"scaler": "optimizer"}
+"""Phases whose tensors are filed under another word: the GradScaler's (fp16) go with the optimizer's state."""
 
 
 class SimulatedGpu:
     """A CUDA device's memory over traced code: run the code under ``replay()`` and say what it is doing with
-    ``phase`` (what new tensors are: "weights", "batch", "activations", "temporaries", "optimizer") and
-    ``backward`` (autograd's thread, which holds its own cuBLAS workspace, is running).
+    ``phase`` (what new tensors are: "weights", "batch", "activations", "temporaries", "optimizer", or "scaler": a
+    GradScaler's, on the GPU even when 0-dimensional, filed under optimizer) and ``backward`` (autograd's thread,
+    which holds its own cuBLAS workspace, is running).
 
     ``now()`` gives the bytes held by category, ``total`` being the allocated bytes; ``watch()`` starts a window
     whose ``peak`` is ``now()`` at the moment the allocated bytes were highest.
@@ -119,7 +122,7 @@ class SimulatedGpu:
         key = object()
         self._keys[storage] = key
         weakref.finalize(storage, self.free, key)
-        self.allocate(key, storage.nbytes(), self.phase)
+        self.allocate(key, storage.nbytes(), FILED_AS.get(self.phase, self.phase))
 
     def after(self, func, args) -> None:
         """What the CUDA kernel of ``func`` allocates besides its outputs."""

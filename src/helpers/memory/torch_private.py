@@ -1,4 +1,5 @@
-"""Every private PyTorch surface the memory predictor (and notebook 09's collective counter) rests on, in one place.
+"""Every private PyTorch surface the memory predictor and the notebooks rest on, in one place: notebook 09's
+collective counter (``seeing_fsdp2_collectives``) and notebook 05's memory snapshot (``recording_memory_history``).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import warnings
 from contextlib import contextmanager
 
@@ -160,32 +162,71 @@ def fused_sdp_choice(query, key, value, dropout_p: float) -> int:
 
 # --- FSDP2's collectives ------------------------------------------------------------------------------------------
 
-FSDP2_COLLECTIVES = {"all-gather": "all_gather_single", "reduce-scatter": "reduce_scatter_single"}
-"""The functions of torch.distributed that FSDP2 calls from Python (torch/distributed/fsdp/_fully_shard/
-_fsdp_collectives.py) for each collective; none of them is in torch.distributed's public list."""
+FSDP2_COLLECTIVES = {"all-gather": ("all_gather_single", "all_gather_into_tensor"),
+                     "reduce-scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+"""The functions of torch.distributed that FSDP2 calls from Python for each collective, the one it calls now first
+(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: ``dist.all_gather_single``, ``dist.reduce_scatter_single``;
+none of them is in torch.distributed's public list), then the one of torches that lack it (their
+_fsdp_collectives.py: ``dist.all_gather_into_tensor(output_tensor=..., input_tensor=...)``,
+``dist.reduce_scatter_tensor(output, input, ...)``). Each pair takes the same leading arguments."""
+
+
+def fsdp2_collective_names(dist) -> dict[str, str]:
+    """The function FSDP2 calls for each collective in this torch: the first of ``FSDP2_COLLECTIVES`` that
+    ``dist`` (torch.distributed) has; TorchSurfaceMissing where it has none."""
+    names = {}
+    for kind, candidates in FSDP2_COLLECTIVES.items():
+        found = [name for name in candidates if hasattr(dist, name)]
+        if not found:
+            raise missing(f"torch.distributed.{' or '.join(candidates)} (FSDP2's {kind})")
+        names[kind] = found[0]
+    return names
 
 
 @contextmanager
 def seeing_fsdp2_collectives(add):
     """Inside the block, each all-gather and reduce-scatter of FSDP2 first calls ``add(kind, tensor)`` with the
-    tensor it moves on this process: the whole gathered output, the whole input to reduce-scatter."""
+    tensor it moves on this process: the whole gathered output, the whole input to reduce-scatter. The functions
+    watched are this torch's (``fsdp2_collective_names``)."""
     import torch.distributed as dist
 
-    for kind, name in FSDP2_COLLECTIVES.items():
-        if not hasattr(dist, name):
-            raise missing(f"torch.distributed.{name} (FSDP2's {kind})")
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+    names = fsdp2_collective_names(dist)
+    originals = {kind: getattr(dist, name) for kind, name in names.items()}
+    gather, scatter = originals["all-gather"], originals["reduce-scatter"]
 
-    def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
+    def all_gather(output_tensor, input_tensor, *args, **kwargs):
         add("all-gather", output_tensor)
         return gather(output_tensor, input_tensor, *args, **kwargs)
 
-    def reduce_scatter_single(output, input, *args, **kwargs):
+    def reduce_scatter(output, input, *args, **kwargs):
         add("reduce-scatter", input)
         return scatter(output, input, *args, **kwargs)
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    setattr(dist, names["all-gather"], all_gather)
+    setattr(dist, names["reduce-scatter"], reduce_scatter)
     try:
         yield
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        for kind, name in names.items():
+            setattr(dist, name, originals[kind])
+
+
+# --- a CUDA memory snapshot ---------------------------------------------------------------------------------------
+
+@contextmanager
+def recording_memory_history(path: str, max_entries: int = 100_000):
+    """Inside the block, CUDA's caching allocator records each allocation and free with the Python stack that made
+    it (``torch.cuda.memory._record_memory_history``); when the block ends, the record is written to ``path``
+    (``torch.cuda.memory._dump_snapshot``: drag the file into https://pytorch.org/memory_viz) and recording stops."""
+    record = attribute("torch.cuda.memory", "_record_memory_history")
+    dump = attribute("torch.cuda.memory", "_dump_snapshot")
+    taken = inspect.signature(record).parameters
+    if not {"enabled", "max_entries"} <= set(taken):
+        raise missing(f"torch.cuda.memory._record_memory_history(enabled=..., max_entries=...); it takes "
+                      f"({', '.join(taken)})")
+    record(max_entries=max_entries)
+    try:
+        yield
+        dump(path)
+    finally:
+        record(enabled=None)

@@ -71,7 +71,11 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     The batch has no padding: its attention mask is all ones, which transformers drops before attention on
     real tensors, so none is passed (fake tensors hide the values, and transformers would keep the mask).
     With ``amp_dtype`` the forward and the loss run under (emulated) CUDA autocast, backward outside it; the
-    attention kernel is the one ``gpu`` picks.
+    attention kernel is the one ``gpu`` picks. In fp16, a ``torch.amp.GradScaler`` scales each loss and unscales the
+    gradients once before the optimizer step, as ``--amp fp16`` trains: its tensors (the scale, the growth
+    tracker, the scaled loss, the inverse scale and found_inf with their per-device copies) are traced with the
+    optimizer's state. ``scaler.step`` would also read found_inf on the host (``.item()``), which a fake tensor
+    cannot and which allocates nothing on the GPU, so the step is ``unscale_``, ``optimizer.step``, ``update``.
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
@@ -82,6 +86,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
     generator = torch.Generator().manual_seed(seed)
     kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, gpu)
+    scaler = torch.amp.GradScaler("cpu") if amp_dtype == torch.float16 else None  # fake tensors live on the CPU
     watch = _DeviceWatch(device, model) if device else _TrackerWatch(model, optimizer)
 
     def batch(size, length):
@@ -93,14 +98,22 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
         with watch.phase("activations"), kernels:
             loss = nn.functional.cross_entropy(model(input_ids), labels) / accumulation
         after_forward = watch.now() if record else None
+        with watch.phase("scaler"):
+            scaled = scaler.scale(loss) if scaler else loss  # the loss itself stays alive, as a training loop keeps it
         with watch.phase("temporaries", backward=True):
-            loss.backward()
+            scaled.backward()
         return after_forward
 
     def optimizer_step():
+        if scaler:
+            with watch.phase("scaler"):
+                scaler.unscale_(optimizer)
         with watch.phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad()
+        if scaler:
+            with watch.phase("scaler"):
+                scaler.update()
 
     # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
     # a gradient (not the pooler, which Net's loss does not use).
