@@ -4,7 +4,9 @@ every multi-process command of every notebook goes through it, and a failed run 
 import ast
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
@@ -45,7 +47,25 @@ def test_the_command_runs_here():
     """The command it builds starts real processes on this machine (torch sees no GPU here: the CPU)."""
     launch = plan_launch(2)
     assert "--device" in launch.run("--help")
-    assert launch.shell("--help").startswith(sys.executable)
+    assert launch.torchrun("--help")[:3] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_the_printed_command_is_the_one_a_reader_types():
+    """What 06 prints before running: torchrun, the repository's script by its relative path, the environment."""
+    launch = plan_launch(2, gpus=0)
+    assert launch.typed(script=SCRIPT) == "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/ddp_minimal.py"
+    assert launch.typed("--seed", "a b") == ("OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 "
+                                             "-m helpers.finetune --device cpu --seed 'a b'")
+    assert launch.typed(script="/elsewhere/train.py").endswith(" /elsewhere/train.py")
+
+
+def test_only_the_started_processes_get_one_thread(monkeypatch):
+    """The notebook's own process keeps its threads; each started process computes on one (what run() gives them)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           env=plan_launch(2, gpus=0).env, capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "1"
+    assert "OMP_NUM_THREADS" not in os.environ
 
 
 def test_a_script_gets_no_device_option():

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+REPOSITORY = Path(__file__).resolve().parents[2]  # examples/ lives here when helpers is installed from a clone
+THREADS = {"OMP_NUM_THREADS": "1"}  # what torchrun would set anyway, with a warning, when the variable is unset
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:? ?")  # what a worker's uncaught exception lines start with
 
 
@@ -71,15 +73,21 @@ class Launch:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.processes}",
                 *target, *args]
 
-    def shell(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> str:
-        """``torchrun`` as one line for a notebook's ``!`` (arguments quoted for this system's shell)."""
-        command = self.torchrun(*args, module=module, script=script)
-        return subprocess.list2cmdline(command) if os.name == "nt" else shlex.join(command)
+    def typed(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> str:
+        """The same command as a reader types it in a terminal at the repository root, for a notebook to print
+        before ``run``: ``torchrun`` for this Python's ``-m torch.distributed.run``, a script of the repository by
+        its relative path, the environment ``run`` adds in front. No path of this machine, so the line is the same
+        everywhere."""
+        command = ["torchrun", *self.torchrun(*args, module=module, script=script)[3:]]
+        if script is not None and Path(script).resolve().is_relative_to(REPOSITORY):
+            command[command.index(str(script))] = Path(script).resolve().relative_to(REPOSITORY).as_posix()
+        return shlex.join([f"{name}={value}" for name, value in THREADS.items()] + command)
 
     @property
     def env(self) -> dict[str, str]:
-        """The environment to run it in: one thread per process, so N processes share the cores without contention."""
-        return os.environ | {"OMP_NUM_THREADS": "1"}
+        """The environment to run it in: one thread per process, so N processes share the cores without contention.
+        Only the started processes get it: the notebook's own process keeps its threads."""
+        return os.environ | THREADS
 
     def run(self, *args: str, module: str = "helpers.finetune", script: str | Path | None = None) -> str:
         """Start the processes, wait for them, and return what they printed (stdout and stderr, in order).
