@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 MODEL := src/helpers/assets/tiny-japanese-bert
-NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb)) $(sort $(wildcard notebooks/solutions/*.ipynb))
+NOTEBOOKS := $(shell PYTHONPATH=src $(PYTHON) -c "from pathlib import Path; from helpers.checks.notebook_env import lessons_then_solutions as s; print(*s(Path('notebooks')))")
 
 # Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit: one definition, in
 # src/helpers/checks/notebook_env.py (pytest's conftest.py and gpu-check read the same; it needs no torch).

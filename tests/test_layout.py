@@ -181,12 +181,12 @@ def test_the_makefile_reads_the_one_notebook_environment():
 
 
 def test_the_series_is_the_lessons_then_their_solutions_not_jupyterlabs_copies(tmp_path):
-    for name in ("01_b.ipynb", "00_a.ipynb", "solutions/01_s.ipynb", ".ipynb_checkpoints/00_a-checkpoint.ipynb",
-                 "scratch-08/run.ipynb"):
+    for name in ("01_b.ipynb", "00_a.ipynb", "00_appendix_x.ipynb", "solutions/01_s.ipynb",
+                 ".ipynb_checkpoints/00_a-checkpoint.ipynb", "scratch-08/run.ipynb"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("{}")
     found = [path.relative_to(tmp_path).as_posix() for path in lessons_then_solutions(tmp_path)]
-    assert found == ["00_a.ipynb", "01_b.ipynb", "solutions/01_s.ipynb"]
+    assert found == ["00_a.ipynb", "00_appendix_x.ipynb", "01_b.ipynb", "solutions/01_s.ipynb"]
 
 
 def test_no_error_drops_its_cause():

@@ -16,9 +16,13 @@ comparison, and print the machine's GPUs beside a torch that sees none."""
 
 
 def lessons_then_solutions(folder: Path) -> list[Path]:
-    """The series in ``folder`` (notebooks/, or a GPU run's copy of it): the lessons in order, then their solutions.
+    """The series in ``folder`` (notebooks/, or a GPU run's copy of it): the lessons in order, each followed by its
+    appendices (``NN_appendix_*``, which a plain sort would put before ``NN_gpu_memory``), then the solutions.
     Never the copies JupyterLab keeps in .ipynb_checkpoints/, which a reader's `make lab` leaves beside them."""
-    return sorted(folder.glob("*.ipynb")) + sorted(folder.glob("solutions/*.ipynb"))
+    def reading_order(path: Path) -> tuple:
+        return path.name[:2], "_appendix" in path.name, path.name
+
+    return sorted(folder.glob("*.ipynb"), key=reading_order) + sorted(folder.glob("solutions/*.ipynb"))
 
 
 def nvml_gpu_count() -> int:
