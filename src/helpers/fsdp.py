@@ -2,8 +2,9 @@
 
 DDP keeps a full copy of the weights, their gradients and Adam's state on every rank. ``fully_shard`` keeps
 1/N of each on each of N ranks: before a sharded module's forward it all-gathers its weights, after its
-backward it reduce-scatters their gradients, and it frees the gathered weights again after the forward
-(``reshard_after_forward``). Here each BertLayer is one such unit and the root (embeddings, head) another.
+backward it reduce-scatters their gradients, and it frees the gathered weights again after the forward, except
+the root's: ``reshard_after_forward``'s default, None, means False for the root (its weights are needed first in the
+backward) and True for the others. Here each BertLayer is one such unit and the root (embeddings, head) another.
 
 ``fully_shard`` swaps the module's class in place (``Net`` becomes ``FSDPNet``) instead of wrapping it, so
 ``net.bert`` still works and there is no ``.module``; what changes is that every parameter becomes a new
