@@ -100,6 +100,29 @@ def test_activation_formula_matches_the_tracker_for_bert_base_layers(batch_size,
     assert agreement(activation_formula(config, batch_size, seq_len, attention=attention), traced) < 1e-3
 
 
+@pytest.mark.parametrize(("attention", "amp", "gpu"), [("sdpa", torch.bfloat16, "H200"), ("eager", torch.bfloat16, "H200"),
+                                                    ("sdpa", torch.float16, "T4"), ("eager", torch.float16, "T4")])
+def test_activation_formula_under_autocast_matches_the_simulated_gpu_to_the_byte(attention, amp, gpu):
+    """Notebook 05's AMP formula against the traced step (CUDA autocast's casts, the GPU's attention kernel), at two
+    batch shapes and two depths, so that each per-token, per-example, per-position and per-layer term is pinned."""
+    for layers, batch_size, seq_len in ((1, 2, 64), (2, 2, 64), (2, 3, 128)):
+        config = bert_base_config(num_hidden_layers=layers)
+        traced = trace_fake(config, batch_size, seq_len, attention=attention, amp_dtype=amp, gpu=GPUS[gpu],
+                            environ={}).after_forward["activations"]
+        assert activation_formula(config, batch_size, seq_len, attention=attention, amp=True) == traced
+
+
+def test_memtracker_under_autocast_keeps_the_unused_poolers_copies():
+    """MemTracker's hooks keep the 16-bit copies the pooler's linear made (its weight, and its [CLS] input), which
+    a step without the tracker frees with the pooler's unused output; notebook 05 shows the difference."""
+    config = bert_base_config(num_hidden_layers=1)
+    h = config.hidden_size
+    for batch_size in (1, 2):
+        tracked = trace_fake(config, batch_size, 64, amp_dtype=torch.bfloat16).after_forward["activations"]
+        formula = activation_formula(config, batch_size, 64, amp=True)
+        assert tracked - formula == 2 * h * h + 2 * h * batch_size
+
+
 def test_activation_formula_knows_cpu_dropout_keeps_float_masks():
     config = bert_base_config(num_hidden_layers=2)
     traced = trace_fake(config, 2, 128, attention="eager", cuda_dropout=False).after_forward["activations"]

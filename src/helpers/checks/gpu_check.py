@@ -106,7 +106,8 @@ def gap_causes(predicted: dict[str, int], predicted_requested: int, measured: Cu
                       f"allocator rounded or reused blocks otherwise than simulated")
     elif not causes:
         causes.append(f"the requested bytes differ by {requested_gap / MIB:+,.1f} MiB: the step allocates something the "
-                      f"trace does not; record a snapshot (torch.cuda.memory._record_memory_history, notebook 05)")
+                      f"trace does not; record a snapshot (torch.cuda.memory._record_memory_history, notebook "
+                      f"05_appendix_allocator)")
     return causes
 
 
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(rows, about)[0].splitlines()[-1])
     if any(row["section"] == "memory" and not row["ok"] for row in rows):
         print("A memory gap beyond the tolerance means the prediction misses something this GPU does: each FAIL line "
-              "names what differs; a memory snapshot (notebook 05) shows every block.")
+              "names what differs; a memory snapshot (notebook 05's appendix) shows every block.")
     return 1 if any(not row["ok"] for row in rows) else 0
 
 

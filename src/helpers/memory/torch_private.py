@@ -1,5 +1,6 @@
 """Every private PyTorch surface the memory predictor and the notebooks rest on, in one place: notebook 09's
-collective counter (``seeing_fsdp2_collectives``) and notebook 05's memory snapshot (``recording_memory_history``).
+collective counter (``seeing_fsdp2_collectives``) and the memory snapshot of notebook 05's appendix
+(``recording_memory_history``).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another

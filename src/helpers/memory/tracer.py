@@ -9,7 +9,7 @@ or two without allocating its gigabytes. Two ways to count, both resting on priv
   runs on real tensors too, so tests check it against the profiler and real runs.
 - a simulated GPU (``helpers.memory.simulated_gpu``): the same step replayed into PyTorch's caching allocator
   with the GPU's workspaces and kernel buffers, giving the peak that ``torch.cuda.max_memory_allocated``
-  reports. This is the prediction notebook 05 checks against a real GPU.
+  reports. This is the prediction notebook 05's appendix checks against a real GPU.
 
 ``CudaLikeKernels`` (helpers.memory.kernels) makes either keep what a CUDA step keeps (1-byte dropout masks, the
 GPU's attention kernel, autocast's dtypes).
