@@ -79,8 +79,10 @@ def failing_save(directory: Path) -> None:
             loaded = small(sharded=strategy == "fsdp")
             load_checkpoint(checkpoints.latest(), loaded, stepped(loaded))
             outcome = "loaded" if state_dicts_equal(full_weights(loaded), full_weights(model)) else "differs"
-        print(json.dumps({"rank": dist.get_rank(), "strategy": strategy, "failing_rank": failing_rank,
-                          "outcome": outcome, "message": message, "cause": cause, "seconds": seconds}), flush=True)
+        report = json.dumps({"rank": dist.get_rank(), "strategy": strategy, "failing_rank": failing_rank,
+                             "outcome": outcome, "message": message, "cause": cause, "seconds": seconds})
+        sys.stdout.write(report + "\n")  # one write: print's two would interleave with the other rank's unbuffered
+        sys.stdout.flush()
         dist.barrier()
 
 

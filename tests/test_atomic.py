@@ -178,7 +178,7 @@ def test_finetune_stops_every_process_with_one_message_when_a_save_fails(tmp_pat
              "--global-batch-size", "8", "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
              "--save-every", "1"],
             env=ENV | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}"},
+                       "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:
         outputs = [process.communicate(timeout=240) for process in processes]
