@@ -79,7 +79,9 @@ def enable_checkpointing(net: nn.Module) -> nn.Module:
 
 def fsdp_mixed_precision(choice: str | None) -> dict:
     """``fully_shard`` options for ``--amp choice``: weights gathered and computed in bf16 or fp16, gradients reduced
-    in fp32 (summing fp16 gradients over the ranks could overflow, and would round each partial sum to fp16)."""
+    in fp32, and kept in fp32 between micro-batches while the communication is paused (FSDP2 casts them to
+    ``reduce_dtype``: torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``to_accumulated_grad_if_needed``). In
+    fp16, a reduction would round every partial sum and could overflow the scaled gradients' sum over the ranks."""
     if choice is None:
         return {}
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=AMP_DTYPES[choice], reduce_dtype=torch.float32)}
