@@ -156,22 +156,6 @@ def test_a_resumed_fp16_run_goes_on_with_the_saved_scale_and_ends_bitwise(tmp_pa
     assert resumed_scaler.state_dict() == scaler.state_dict()
 
 
-@pytest.mark.parametrize(("bf16", "expected"), [
-    (True, ("bf16", "NVIDIA A100-SXM4-80GB (compute capability 8.0) computes bf16 natively: fp32's range, no "
-                    "gradient scaler")),
-    (False, ("fp16", "Tesla T4 (compute capability 7.5) has no native bf16: fp16 autocast with a gradient scaler")),
-])
-def test_pick_amp_takes_bf16_where_the_gpu_computes_it_else_fp16(monkeypatch, bf16, expected):
-    name, capability = ("NVIDIA A100-SXM4-80GB", (8, 0)) if bf16 else ("Tesla T4", (7, 5))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16 or including_emulation)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
-    assert levers.pick_amp(torch.device("cuda", 0)) == expected
-    assert levers.amp_problem(expected[0], torch.device("cuda", 0)) is None
-    assert levers.pick_amp(torch.device("cpu")) == (
-        "bf16", "the CPU computes bf16 (torch converts where it lacks bf16 instructions)")
-
-
 def test_fp16_trains_with_a_scaler_on_the_device_and_bf16_and_fp32_without():
     scaler = levers.gradient_scaler("fp16", torch.device("cpu"))
     assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler.get_scale() == 2.0**16

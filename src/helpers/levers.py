@@ -9,7 +9,7 @@ a loop: helpers.train.accumulate.
   gradients divided by it before the optimizer step, and a step whose gradients hold inf or nan is skipped (the
   scale then halves). Under FSDP2, ``MixedPrecisionPolicy`` also gathers the weights in that type (half the
   all-gather traffic and the gathered copies) and reduces gradients in fp32. GPUs of compute capability 8.0 or
-  later compute bf16; older ones (the T4, the V100) compute fp16 only (``pick_amp`` chooses).
+  later compute bf16; older ones (the T4, the V100) compute fp16 only (``amp_problem`` refuses bf16 there).
 - activation checkpointing keeps only each encoder layer's input for backward and computes the layer's forward
   again there: less memory, about one more forward of compute.
 """
@@ -36,23 +36,14 @@ def gradient_scaler(choice: str | None, device: torch.device) -> torch.amp.GradS
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 itself: any CPU (torch converts where it lacks bf16 instructions), a CUDA
-    GPU of compute capability 8.0 or later. Emulated bf16 on an older GPU does not count."""
+    GPU of compute capability 8.0 or later (the rule helpers.memory's ``GpuModel.native_bf16`` applies to a
+    GPU by name). Emulated bf16 on an older GPU does not count."""
     return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def describe_gpu(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
-
-
-def pick_amp(device: torch.device) -> tuple[str, str]:
-    """The ``--amp`` choice for ``device`` and why, in one line: bf16 where it is computed natively (no scaler
-    needed), else fp16 with a gradient scaler."""
-    if device.type != "cuda":
-        return "bf16", f"the {device.type.upper()} computes bf16 (torch converts where it lacks bf16 instructions)"
-    if native_bf16(device):
-        return "bf16", f"{describe_gpu(device)} computes bf16 natively: fp32's range, no gradient scaler"
-    return "fp16", f"{describe_gpu(device)} has no native bf16: fp16 autocast with a gradient scaler"
 
 
 def amp_problem(choice: str | None, device: torch.device) -> str | None:
