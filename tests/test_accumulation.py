@@ -158,7 +158,7 @@ def test_train_epoch_steps_once_per_group_and_the_schedule_counts_optimizer_step
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, 10)
     trained = []
     losses = train_epoch(net, loader, optimizer, scheduler, accumulation=4,
-                         after_step=lambda loss, batches: trained.append(batches))
+                         after_step=lambda loss, batches, updated: trained.append(batches))
     assert trained == [4, 8, 9] and len(losses) == 3  # the last step takes the one micro-batch left
     assert scheduler.last_epoch == 3
 

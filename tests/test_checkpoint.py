@@ -152,11 +152,12 @@ def test_round_trip_between_wrappings(saved_from, loaded_into, process_group, tm
 
 def test_optimizer_scheduler_and_progress_round_trip(tmp_path):
     model, optimizer, scheduler = trained(seed=0)
-    progress = Progress(step=7, epoch=1, batch=3, history=[{"epoch": 1, "val_loss": 0.5}])
+    progress = Progress(step=7, epoch=1, batch=3, skipped_steps=2, history=[{"epoch": 1, "val_loss": 0.5}])
     save_checkpoint(tmp_path / "checkpoint", model, optimizer, scheduler, progress=progress)
     model2, optimizer2, scheduler2 = trained(seed=1)
     state = load_checkpoint(tmp_path / "checkpoint", model2, optimizer2, scheduler2)
-    assert state["progress"] == {"step": 7, "epoch": 1, "batch": 3, "history": [{"epoch": 1, "val_loss": 0.5}]}
+    assert state["progress"] == {"step": 7, "epoch": 1, "batch": 3, "skipped_steps": 2,
+                                 "history": [{"epoch": 1, "val_loss": 0.5}]}
     assert state_dicts_equal(model2.state_dict(), model.state_dict())
     for mine, theirs in zip(optimizer2.state.values(), optimizer.state.values(), strict=True):
         assert state_dicts_equal(mine, theirs)
@@ -419,18 +420,19 @@ def test_saving_the_same_step_again_replaces_it_under_a_new_name(tmp_path):
 
 # --- the contract, case by case: one CheckpointError naming the file, the cause kept, nothing changed -----------
 
-def refused(path, match, model, optimizer=None, scheduler=None, resume_with=None, check=None):
+def refused(path, match, model, optimizer=None, scheduler=None, resume_with=None, check=None, scaler=None):
     """Loading ``path`` (or resuming from its folder, ``resume_with`` a loader, ``check`` as fit's) raises one
     CheckpointError matching
-    ``match``, whose cause is the exception it comes from, if any; model, optimizer, scheduler and the classes a
-    checkpoint's pickles name are unchanged. Returns the error."""
+    ``match``, whose cause is the exception it comes from, if any; model, optimizer, scheduler, gradient scaler and
+    the classes a checkpoint's pickles name are unchanged. Returns the error."""
     before, classes = snapshot(model, optimizer, scheduler), class_attributes()
+    scaler_before = None if scaler is None else scaler.state_dict()
     try:
         with pytest.raises(CheckpointError, match=match) as caught:
             if resume_with is None:
-                load_checkpoint(path, model, optimizer, scheduler)
+                load_checkpoint(path, model, optimizer, scheduler, scaler)
             else:
-                Checkpoints(path).resume(model, optimizer, scheduler, resume_with,
+                Checkpoints(path).resume(model, optimizer, scheduler, resume_with, scaler=scaler,
                                          **({} if check is None else {"check": check}))
     finally:
         changed = restore_class_attributes(classes)  # the rest of the session needs them, whatever happened
@@ -440,6 +442,7 @@ def refused(path, match, model, optimizer=None, scheduler=None, resume_with=None
     assert state_dicts_equal(after[0], before[0]) and after[1].keys() == before[1].keys()
     assert all(state_dicts_equal(after[1][key], before[1][key]) for key in before[1])
     assert after[2:] == before[2:]
+    assert scaler is None or scaler.state_dict() == scaler_before
     return caught.value
 
 
@@ -694,7 +697,8 @@ def with_state(checkpoint, change) -> Path:
     (lambda s: s["optimizer"]["param_groups"][0].update(lr="0.1"),
      r"the optimizer's settings differ in group 0: 'lr' saved as '0.1', it has [\d.]+$"),
     (lambda s: s["progress"].update(steps=1), r"not a checkpoint's state as save_checkpoint writes it: progress: "
-                                              r"holds \['step', 'epoch', 'batch', 'history', 'steps'\]"),
+                                              r"holds \['step', 'epoch', 'batch', 'skipped_steps', 'history', "
+                                              r"'steps'\]"),
 ], ids=["scheduler-type", "scheduler-extra", "optimizer-setting", "progress-extra"])
 def test_state_of_the_wrong_kind_is_refused_before_loading(saved, change, problem):
     """Otherwise load_state_dict sets a text where a number belongs (the scheduler even takes any key as an
@@ -721,7 +725,7 @@ def saved_run(directory, **progress):
      r"to be 3$"),
     (lambda s: s["per_process"][0]["epoch_start"].update(loader=torch.zeros(3)),
      r"per_process\[0\]: epoch_start: loader: "),
-    (lambda s: s["progress"].update(step=-1), "progress: step, epoch and batch are not counts"),
+    (lambda s: s["progress"].update(step=-1), "progress: step, epoch, batch and skipped_steps are not counts"),
 ], ids=["rng", "loader-rng", "negative-step"])
 def test_resuming_checks_random_states_and_progress_before_loading(tmp_path, change, problem):
     """Otherwise they fail after the weights were loaded, halfway through a resume."""
@@ -741,3 +745,74 @@ def test_a_checkpoint_of_another_batch_size_is_refused_before_loading(tmp_path):
     refused(tmp_path, rf"^{path / STATE_FILE}: the checkpoint stands at optimizer step 3 \(epoch 1, batch 3\), where a "
                       "run of 8 batches per epoch and 2 per optimizer step never stands", model, optimizer, scheduler,
             resume_with=loader, check=lambda progress: check_steps(progress, batches=8, accumulation=2))
+
+
+# --- the gradient scaler of fp16 training: one more part of state.pt -----------------------------------------
+
+SCALER = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7, "_growth_tracker": 3}
+"""A GradScaler's state after a few skipped steps and 3 good ones, with factors of its own: no default in it."""
+
+
+def scaler(state=None):
+    scaler = torch.amp.GradScaler("cpu")
+    if state is not None:
+        scaler.load_state_dict(state)
+    return scaler
+
+
+@pytest.fixture
+def saved_with_scaler(tmp_path):
+    model, optimizer, scheduler = trained(seed=0)
+    return save_checkpoint(tmp_path / "checkpoint", model, optimizer, scheduler, scaler=scaler(SCALER),
+                           progress=Progress(step=2, skipped_steps=1))
+
+
+def test_a_gradient_scalers_state_round_trips(saved_with_scaler):
+    assert torch.load(saved_with_scaler / STATE_FILE, weights_only=True)["scaler"] == SCALER
+    model, optimizer, scheduler = trained(seed=1)
+    fresh = scaler()
+    state = load_checkpoint(saved_with_scaler, model, optimizer, scheduler, fresh)
+    assert fresh.state_dict() == SCALER and state["progress"]["skipped_steps"] == 1
+    scaled = fresh.scale(torch.ones(()))  # the scale it goes on with is the saved one, not a new scaler's 65536
+    assert scaled.item() == SCALER["scale"]
+
+
+def test_resuming_without_the_scaler_a_checkpoint_was_saved_with_is_refused(saved_with_scaler):
+    model, optimizer, scheduler = trained(seed=1)
+    refused(saved_with_scaler, rf"^{saved_with_scaler / STATE_FILE}: saved with a gradient scaler \(fp16 mixed "
+            r"precision, --amp fp16\), resumed without one; resume with one to continue exactly", model, optimizer,
+            scheduler)
+    load_checkpoint(saved_with_scaler, model)  # its weights alone load anywhere
+    assert state_dicts_equal(model.state_dict(), trained(seed=0)[0].state_dict())
+
+
+def test_resuming_with_a_scaler_from_a_checkpoint_saved_without_one_is_refused(saved):
+    model, optimizer, scheduler = trained(seed=1)
+    refused(saved, rf"^{saved / STATE_FILE}: saved without a gradient scaler \(in fp32 or bf16\), resumed with one "
+            r"\(fp16 mixed precision, --amp fp16\); resume with the precision it was saved with$", model, optimizer,
+            scheduler, scaler=scaler(SCALER))
+
+
+def test_a_state_saved_before_the_scaler_was_a_part_loads_as_one_without_a_scaler(saved):
+    """Checkpoints written before fp16 training lack the part "scaler" and progress's skipped_steps: that run had
+    no scaler and skipped no step."""
+    file = with_state(saved, lambda s: (s.pop("scaler"), s["progress"].pop("skipped_steps")))
+    assert "scaler" not in torch.load(file, weights_only=True)
+    model, optimizer, scheduler = trained(seed=1)
+    state = load_checkpoint(saved, model, optimizer, scheduler)
+    assert state["scaler"] is None and state["progress"]["skipped_steps"] == 0
+    refused(saved, r"saved without a gradient scaler", *trained(seed=1), scaler=scaler())
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda s: s["scaler"].pop("_growth_tracker"), r"scaler: holds \['scale', 'growth_factor', 'backoff_factor', "
+                                                   r"'growth_interval'\], not a GradScaler's \['scale', "),
+    (lambda s: s["scaler"].update(scale="512"), r"scaler: not a GradScaler's scale, factors and counts: "),
+    (lambda s: s["scaler"].update(scale=float("inf")), r"scaler: not a GradScaler's scale, factors and counts: "),
+    (lambda s: s["scaler"].update(growth_interval=7.0), r"scaler: not a GradScaler's scale, factors and counts: "),
+    (lambda s: s["progress"].update(skipped_steps=-1), r"progress: step, epoch, batch and skipped_steps are not "),
+], ids=["entry-missing", "scale-text", "scale-inf", "interval-float", "negative-skipped"])
+def test_a_damaged_scaler_part_is_refused_before_loading(saved_with_scaler, change, problem):
+    file = with_state(saved_with_scaler, change)
+    refused(saved_with_scaler, rf"^{file}: not a checkpoint's state as save_checkpoint writes it: {problem}",
+            *trained(seed=1), scaler=scaler())

@@ -1,10 +1,11 @@
-"""The memory levers in helpers.finetune: --grad-accum-steps, --amp bf16 and --gradient-checkpointing train, are
-recorded, and resume bitwise after a kill between two micro-batches' optimizer steps, in one process, under
-2-process DDP and under 2-process FSDP2; bad input is named in one line; each lever's tracked memory on a real
-step is what helpers.memory predicts for it.
+"""The memory levers in helpers.finetune: --grad-accum-steps, --amp (fp16 with its gradient scaler) and
+--gradient-checkpointing train, are recorded, and resume bitwise after a kill between two micro-batches' optimizer
+steps, in one process, under 2-process DDP and under 2-process FSDP2; bad input is named in one line; each lever's
+tracked memory on a real step is what helpers.memory predicts for it.
 
 Each kill-and-resume applies all three levers at once: one killed run, its resumption and an uninterrupted run
-per strategy (the one-process runs after the kill run in this process, which saves two interpreter starts).
+per strategy (the one-process runs after the kill run in this process, which saves two interpreter starts). The
+precision is fp16, whose gradient scaler is one more part of the checkpoints (bf16 adds none to fp32's).
 """
 
 import json
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from helpers import levers
+from helpers import distributed, levers
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
 from helpers.checks.training_checks import finetune_command, kill_and_resume
 from helpers.finetune import find_problem, main, parse_args
@@ -28,7 +29,7 @@ from helpers.net import Net
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
                     "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-LEVER_ARGS = ["--grad-accum-steps", "2", "--amp", "bf16", "--gradient-checkpointing"]
+LEVER_ARGS = ["--grad-accum-steps", "2", "--amp", "fp16", "--gradient-checkpointing"]
 RUN = ["--train-examples", "64", "--val-examples", "16", "--global-batch-size", "8", "--epochs", "2", *LEVER_ARGS]
 MICRO_BATCHES_PER_EPOCH, STEPS = 16, 16  # 64 examples in micro-batches of 8 / (processes x 2); 8 steps per epoch
 
@@ -51,21 +52,48 @@ def test_accumulation_that_fits_is_accepted():
     assert find_problem(args, world_size=2, rank=0, train_examples=13) is None  # 7 examples: micro-batches 2,2,2,1
 
 
-def test_bf16_is_refused_on_a_gpu_without_it_and_accepted_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_, **__: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 0))
+@pytest.mark.parametrize(("name", "capability"), [("Tesla V100-SXM2-16GB", (7, 0)), ("Tesla T4", (7, 5))])
+def test_bf16_is_refused_on_a_gpu_without_it_naming_fp16_and_accepted_on_the_cpu(monkeypatch, name, capability):
+    """What a V100 and a T4 answer: bf16 only emulated (is_bf16_supported() is True with emulation, the default)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     assert levers.amp_problem("bf16", torch.device("cuda", 0)) == (
-        "--amp bf16: Tesla V100-SXM2-16GB (compute capability 7.0) has no bf16 support; train in fp32 (leave out "
-        "--amp), or use a GPU of compute capability 8.0 or later")
+        f"--amp bf16: {name} (compute capability {capability[0]}.{capability[1]}) has no native bf16; use --amp fp16 "
+        f"(fp16 autocast with a gradient scaler), train in fp32 (leave out --amp), or use a GPU of compute "
+        f"capability 8.0 or later")
+    assert levers.amp_problem("fp16", torch.device("cuda", 0)) is None
     assert levers.amp_problem("bf16", torch.device("cpu")) is None
     assert levers.amp_problem(None, torch.device("cuda", 0)) is None
 
 
-def test_an_unknown_amp_type_is_refused_by_the_parser(capsys):
+def test_the_refusal_stops_the_run_before_the_model_loads(monkeypatch, capsys):
+    """main's own path on a T4, simulated: the process takes cuda:0, meets the group (over gloo here), is refused."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 5))
+    monkeypatch.setattr(distributed, "device_problem", lambda choice: None)
+    monkeypatch.setattr(distributed, "device_for_this_process", lambda choice: torch.device("cuda", 0))
+    join = distributed.init_process_group
+    monkeypatch.setattr(distributed, "init_process_group", lambda device: join(torch.device("cpu")))
+    monkeypatch.setattr("helpers.finetune.Net", None)  # never reached: a model load would fail here
+    with pytest.raises(SystemExit) as stop:
+        main(["--amp", "bf16", "--train-examples", "8"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: --amp bf16: Tesla T4 (compute capability 7.5) has no native bf16; use "
+                                       "--amp fp16 (fp16 autocast with a gradient scaler), train in fp32 (leave out "
+                                       "--amp), or use a GPU of compute capability 8.0 or later\n")
+
+
+def test_amp_offers_bf16_and_fp16_and_refuses_another_type_in_the_parser(capsys):
+    assert (parse_args(["--amp", "fp16"]).amp, parse_args(["--amp", "bf16"]).amp) == ("fp16", "bf16")
     with pytest.raises(SystemExit):
-        parse_args(["--amp", "fp16"])
-    assert "argument --amp: invalid choice: 'fp16' (choose from 'bf16')" in capsys.readouterr().err
+        parse_args(["--amp", "fp8"])
+    assert "argument --amp: invalid choice: 'fp8' (choose from 'bf16', 'fp16')" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "fp16: any GPU (the T4, the V100), with a gradient scaler (torch.amp.GradScaler)" in " ".join(
+        capsys.readouterr().out.split())
 
 
 def test_checkpointing_is_switched_on_in_every_layer():
@@ -82,10 +110,13 @@ def check_resumed(result, processes):
     resumed, uninterrupted = result["resumed"], result["uninterrupted"]
     assert result["bitwise"], (resumed["weights_sha256"], uninterrupted["weights_sha256"])
     for mine, theirs in zip(resumed["history"], uninterrupted["history"], strict=True):
-        assert (mine["train_loss"], mine["val_loss"]) == (theirs["train_loss"], theirs["val_loss"])
+        assert (mine["train_loss"], mine["val_loss"], mine["skipped_steps"]) == (
+            theirs["train_loss"], theirs["val_loss"], theirs["skipped_steps"])
+    assert resumed["skipped_steps"] == uninterrupted["skipped_steps"] == sum(
+        row["skipped_steps"] for row in uninterrupted["history"])
     assert {key: uninterrupted[key] for key in ("grad_accum_steps", "micro_batch_size", "amp", "gradient_checkpointing",
                                                 "steps")} == {"grad_accum_steps": 2, "micro_batch_size": 4 // processes,
-                                                              "amp": "bf16", "gradient_checkpointing": True,
+                                                              "amp": "fp16", "gradient_checkpointing": True,
                                                               "steps": STEPS}
 
 
@@ -121,10 +152,12 @@ def test_one_process_with_every_lever_killed_mid_epoch_resumes_bitwise_and_recor
                    "bitwise": resumed["weights_sha256"] == uninterrupted["weights_sha256"]}, processes=1)
     out = capsys.readouterr().out
     assert "1 process(es), backend gloo, device cpu; batch 8 per rank (2 micro-batches of 4) x 1 = global batch 8; " \
-           "bf16 autocast; activation checkpointing" in out
+           "fp16 autocast with a gradient scaler; activation checkpointing" in out
     assert f"resumed at step {stopped['step']}: epoch 1, batch {stopped['batch']}" in out
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert (metrics["grad_accum_steps"], metrics["micro_batch_size"], metrics["amp"]) == (2, 4, "bf16")
+    assert (metrics["grad_accum_steps"], metrics["micro_batch_size"], metrics["amp"]) == (2, 4, "fp16")
+    # every skipped step is printed: by the uninterrupted run, and by the resumed one after where it was killed
+    assert out.count("update skipped") == 2 * metrics["skipped_steps"] - stopped["skipped_steps"]
     assert [len(row["batch_losses"]) for row in metrics["history"]] == [8, 8]  # one loss per optimizer step
 
 

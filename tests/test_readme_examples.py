@@ -116,20 +116,9 @@ def parse_module(module: str, args: list[str], monkeypatch, path: Path | None = 
     raise AssertionError(f"{module} {shlex.join(args)}: parse_args was never called")
 
 
-def pending(kind: str, words: list[str]) -> bool:
-    """Issue 37 adds `--amp fp16` to helpers.finetune, and the pages are written for it. Until it lands, its examples
-    are expected to fail to parse (strict xfail): when they parse, these tests fail as XPASS, and `pending` is to be
-    deleted. (helpers.memory's reworked flags, `--amp fp16` included, have landed.)"""
-    module = words[words.index("-m") + 1] if "-m" in words[:-1] else None
-    fp16 = "fp16" in words and "--amp" in words or "--amp=fp16" in words
-    return fp16 and module != "helpers.memory"
-
-
 def cases():
     for where, kind, words, env in commands():
-        marks = [pytest.mark.xfail(strict=True, reason="issue 37: helpers.finetune --amp fp16 has not landed; delete "
-                                   "`pending` when it has")] if pending(kind, words) else []
-        yield pytest.param(kind, words, env, id=where, marks=marks)
+        yield pytest.param(kind, words, env, id=where)
 
 
 def test_the_pages_show_commands_of_every_kind():

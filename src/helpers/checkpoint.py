@@ -6,7 +6,7 @@ model under the same plain names (``unwrap`` first removes DataParallel, which i
 tensors go depends on whether the model is sharded:
 
 - not sharded (plain, DataParallel, DDP, torch.compile): rank 0 writes ``model.safetensors`` (the full weights)
-  and ``state.pt`` (optimizer, scheduler, where the run stands, every process's random state);
+  and ``state.pt`` (optimizer, scheduler, gradient scaler, where the run stands, every process's random state);
 - sharded (FSDP2): every process writes its own shards of the weights and of the optimizer state into
   ``sharded/`` (torch.distributed.checkpoint's files), so no process ever holds the whole model; rank 0 writes
   the rest into ``state.pt``.
@@ -26,14 +26,16 @@ The contract (tests/test_checkpoint.py case by case, tests/test_checkpoint_fuzz.
 - Saving writes a new folder and only then points ``latest`` at it, so after a kill at any moment ``latest``
   names a checkpoint that loads. If a process fails to write, every process raises CheckpointError at once.
 
-``state.pt`` holds one entry per part of a run (``STATE_PARTS``); another optional part (a GradScaler's state, say)
-is one more entry, written in ``save_checkpoint``, checked in ``check_state`` and loaded in ``load_into``.
+``state.pt`` holds one entry per part of a run (``STATE_PARTS``); another optional part is one more entry, written in
+``save_checkpoint``, checked in ``check_state`` (and against the live object in ``open_checkpoint``) and loaded in
+``load_into``, as the gradient scaler of ``--amp fp16`` is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import reprlib
@@ -106,6 +108,7 @@ class Progress:
     step: int = 0  # optimizer steps taken in the whole run
     epoch: int = 0  # epochs finished
     batch: int = 0  # batches of the current epoch already trained
+    skipped_steps: int = 0  # of those steps, the ones a gradient scaler skipped (inf or nan in the gradients)
     history: list[dict] = field(default_factory=list)  # fit()'s row for each finished epoch
     # The fields below differ between processes (each has its own batches), so each process's are saved.
     batch_losses: list[float] = field(default_factory=list)  # this process's losses of the current epoch so far
@@ -212,12 +215,13 @@ def every_entry(model: nn.Module, optimizer) -> tuple[dict, dict | None]:
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None, *,
-                    progress: Progress | None = None, per_process: list | None = None,
-                    labels: tuple[str, ...] | None = None) -> Path:
+                    scaler: torch.amp.GradScaler | None = None, progress: Progress | None = None,
+                    per_process: list | None = None, labels: tuple[str, ...] | None = None) -> Path:
     """Write the checkpoint folder ``path`` atomically (helpers.atomic): it appears complete or not at all.
 
     Call it on every process: a sharded model's processes each write their own shards; otherwise rank 0
-    writes everything and the others return at once. ``per_process`` holds what differs between processes
+    writes everything and the others return at once. ``scaler`` is fp16 training's gradient scaler (its scale
+    and how many steps it has gone without inf or nan); ``per_process`` holds what differs between processes
     (their random states); ``labels``, the names of the model's outputs, go into ``model.safetensors``.
     A failed write raises CheckpointError; with a sharded model, on every process.
     """
@@ -230,6 +234,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
         optimizer_state["state"] = {}
     state = {"optimizer": optimizer_state,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "scaler": scaler.state_dict() or None if scaler is not None else None,  # a disabled one's is {}
              "progress": (progress or Progress()).shared(), "per_process": per_process or []}
     try:
         with atomic_folder(path, every_process=sharded) as folder:
@@ -280,8 +285,15 @@ def read_labels(path: str | Path) -> tuple[str, ...] | None:
 
 # --- reading: check everything first, change nothing on failure ---------------------------------------------
 
-STATE_PARTS = ("optimizer", "scheduler", "progress", "per_process")
+STATE_PARTS = ("optimizer", "scheduler", "scaler", "progress", "per_process")
 """What ``state.pt`` holds (``save_checkpoint``); a new part joins here and in ``check_state``."""
+ADDED_LATER = {"scaler": None}
+"""Parts a ``state.pt`` saved before they existed lacks, read as what that run had: no gradient scaler."""
+PROGRESS_ADDED_LATER = {"skipped_steps": 0}
+"""The same for the fields of ``progress``: a run without a gradient scaler skips no step."""
+SCALER_STATE = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+                "_growth_tracker": int}
+"""``torch.amp.GradScaler.state_dict()``: its entries and the type of each."""
 
 
 class BadState(Exception):
@@ -306,6 +318,18 @@ def is_count(value) -> bool:
     return type(value) is int and value >= 0
 
 
+def completed(state):
+    """``state.pt``'s contents with what a checkpoint saved before a part existed lacks (``ADDED_LATER``)."""
+    if type(state) is not dict:
+        return state  # check_state names what it is
+    state = state | {part: value for part, value in ADDED_LATER.items() if part not in state}
+    progress = state.get("progress")
+    if type(progress) is dict:
+        state["progress"] = progress | {name: value for name, value in PROGRESS_ADDED_LATER.items()
+                                        if name not in progress}
+    return state
+
+
 def check_state(file: Path, state) -> None:
     """Raise CheckpointError unless ``state`` (``state.pt``'s contents) has the parts and types ``save_checkpoint``
     writes, its random states included (tried on new generators): a crafted or damaged file fails here, before
@@ -314,14 +338,15 @@ def check_state(file: Path, state) -> None:
         expect(type(state) is dict and set(state) == set(STATE_PARTS), "holds {}, not the parts {}",
                list(state) if isinstance(state, dict) else type(state).__name__, STATE_PARTS)
         check_saved_optimizer(state["optimizer"])
+        check_saved_scaler(state["scaler"])
         scheduler = state["scheduler"]
         expect(scheduler is None or type(scheduler) is dict and all(type(key) is str for key in scheduler),
                "scheduler: {} is not a scheduler's state_dict", type(scheduler).__name__)
         progress, shared = state["progress"], [name for name in Progress.__dataclass_fields__ if name not in PER_PROCESS]
         expect(type(progress) is dict and set(progress) == set(shared), "progress: holds {}, not {}",
                list(progress) if isinstance(progress, dict) else type(progress).__name__, shared)
-        expect(all(is_count(progress[name]) for name in ("step", "epoch", "batch")),
-               "progress: step, epoch and batch are not counts: {}", progress)
+        expect(all(is_count(progress[name]) for name in ("step", "epoch", "batch", "skipped_steps")),
+               "progress: step, epoch, batch and skipped_steps are not counts: {}", progress)
         expect(type(progress["history"]) is list and all(type(row) is dict for row in progress["history"]),
                "progress: history is not a list of rows")
         expect(type(state["per_process"]) is list, "per_process is a {}", type(state["per_process"]).__name__)
@@ -348,6 +373,19 @@ def check_saved_optimizer(optimizer) -> None:
                                          and all(type(stat) is str for stat in stats)
                                          for name, stats in entries.items()),
            "optimizer: its state is not a dict from parameter names to their state")
+
+
+def check_saved_scaler(scaler) -> None:
+    """None, or a GradScaler's state: its scale, factors and counts, each a finite number of its kind."""
+    if scaler is None:
+        return
+    expect(type(scaler) is dict and set(scaler) == set(SCALER_STATE), "scaler: holds {}, not a GradScaler's {}",
+           list(scaler) if isinstance(scaler, dict) else type(scaler).__name__, list(SCALER_STATE))
+    numbers = all(type(scaler[key]) in ((int, float) if kind is float else (int,)) and math.isfinite(scaler[key])
+                  for key, kind in SCALER_STATE.items())
+    expect(numbers and min(scaler["scale"], scaler["growth_factor"], scaler["backoff_factor"]) > 0
+           and scaler["growth_interval"] >= 1 and scaler["_growth_tracker"] >= 0,
+           "scaler: not a GradScaler's scale, factors and counts: {}", scaler)
 
 
 def check_per_process(where: str, mine) -> None:
@@ -488,6 +526,22 @@ def check_scheduler(file: Path, saved: dict | None, scheduler) -> None:
                               f"{different}")
 
 
+def check_scaler(file: Path, saved: dict | None, scaler: torch.amp.GradScaler | None) -> None:
+    """Raise CheckpointError unless the run resumes with a gradient scaler exactly when it was saved with one
+    (fp16 mixed precision), and the saved state is of ``scaler``'s kind. A disabled scaler counts as none."""
+    scaler = scaler if scaler is not None and scaler.is_enabled() else None
+    if saved is not None and scaler is None:
+        raise CheckpointError(f"{file}: saved with a gradient scaler (fp16 mixed precision, --amp fp16), resumed "
+                              f"without one; resume with one to continue exactly (its weights alone load without: "
+                              f"leave out the optimizer)")
+    if saved is None and scaler is not None:
+        raise CheckpointError(f"{file}: saved without a gradient scaler (in fp32 or bf16), resumed with one (fp16 "
+                              f"mixed precision, --amp fp16); resume with the precision it was saved with")
+    different = different_settings(saved, scaler.state_dict(), extra_allowed=False) if saved is not None else None
+    if different:
+        raise CheckpointError(f"{file}: the gradient scaler's state differs from this GradScaler's: {different}")
+
+
 # Names and shapes are checked before loading (check_weights, check_optimizer); strict=False then only lets
 # parameters without optimizer state stay without it, as Adam leaves those that never got a gradient (an unused
 # pooler), and as the saved optimizer had them.
@@ -504,8 +558,9 @@ class OpenCheckpoint:
     shards: Metadata | None  # sharded/'s metadata, read safely; None for full weights
     every: tuple[dict, dict | None] | None = None  # every_entry of the model and optimizer it was checked against
 
-    def load_into(self, model: nn.Module, optimizer=None, scheduler=None) -> dict:
-        """Load weights (and optimizer and scheduler state, if given) into ``model`` in any wrapping: the ones
+    def load_into(self, model: nn.Module, optimizer=None, scheduler=None,
+                  scaler: torch.amp.GradScaler | None = None) -> dict:
+        """Load weights (and optimizer, scheduler and scaler state, if given) into ``model`` in any wrapping: the ones
         ``open_checkpoint`` checked. Returns ``state.pt``'s contents. With a sharded checkpoint or model, call it on
         every process.
 
@@ -544,12 +599,17 @@ class OpenCheckpoint:
                            optim_state_dict=optimizer_state or {}, options=CHECKED)
         if scheduler is not None:
             scheduler.load_state_dict(self.state["scheduler"])
+        if scaler is not None and self.state["scaler"] is not None:
+            scaler.load_state_dict(self.state["scaler"])
         return self.state
 
 
-def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> OpenCheckpoint:
+def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None,
+                    scaler: torch.amp.GradScaler | None = None) -> OpenCheckpoint:
     """Read every file of checkpoint folder ``path`` and check it against ``model`` (and ``optimizer``,
-    ``scheduler``); raises CheckpointError naming the file and the cause. Changes nothing."""
+    ``scheduler``, ``scaler``); raises CheckpointError naming the file and the cause. Changes nothing.
+
+    With an optimizer (resuming), a gradient scaler must be given exactly when the checkpoint holds one."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
@@ -564,8 +624,8 @@ def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
     else:
         weights = read_weights(path / MODEL_FILE)
         check_weights(path / MODEL_FILE, {key: (value.shape, value.dtype) for key, value in weights.items()}, model)
-    needs_state = optimizer is not None or scheduler is not None
-    state = read_state(path / STATE_FILE) if needs_state or (path / STATE_FILE).exists() else {}
+    needs_state = optimizer is not None or scheduler is not None or scaler is not None
+    state = completed(read_state(path / STATE_FILE)) if needs_state or (path / STATE_FILE).exists() else {}
     if state:
         check_state(path / STATE_FILE, state)
     if optimizer is not None:
@@ -584,18 +644,21 @@ def open_checkpoint(path: str | Path, model: nn.Module, optimizer=None, schedule
         check_optimizer(path / STATE_FILE, state["optimizer"], entries_file, entries, model, optimizer, every[1])
     if scheduler is not None:
         check_scheduler(path / STATE_FILE, state["scheduler"], scheduler)
+    if optimizer is not None or scaler is not None:
+        check_scaler(path / STATE_FILE, state["scaler"], scaler)
     return OpenCheckpoint(path, state, weights, shards, every if shards is not None else None)  # DCP's targets
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer=None, scheduler=None,
+                    scaler: torch.amp.GradScaler | None = None) -> dict:
     """Load the checkpoint folder ``path`` into ``model`` (plain, wrapped or sharded) and, if given, the
-    optimizer and scheduler; returns the rest of the checkpoint (``progress``, ``per_process``).
+    optimizer, scheduler and gradient scaler; returns the rest of the checkpoint (``progress``, ``per_process``).
 
     Every file is read and checked before anything is changed, so on a CheckpointError the model, the
     optimizer and the scheduler are exactly as they were. A sharded checkpoint loads into any number of
     processes (each reads the parts its own shards cover), or into a plain model without a process group.
     """
-    return open_checkpoint(path, model, optimizer, scheduler).load_into(model, optimizer, scheduler)
+    return open_checkpoint(path, model, optimizer, scheduler, scaler).load_into(model, optimizer, scheduler, scaler)
 
 
 def checkpoint_layout(path: Path) -> str:
@@ -644,7 +707,8 @@ class Checkpoints:
             raise CheckpointError(f"{file}: names {target!r}, which is not in {self.directory}")
         return self.directory / target
 
-    def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False) -> None:
+    def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, *, best: bool = False,
+             scaler: torch.amp.GradScaler | None = None) -> None:
         """Save where the run stands into a new folder, then point ``latest`` (and, if ``best``, ``best``) at it.
 
         A folder is never replaced: a step saved again (a run started afresh in the same directory) goes into
@@ -656,8 +720,8 @@ class Checkpoints:
         path, error = self.directory / f"step-{progress.step:06d}", None
         try:
             path = self.directory / self.free_name(progress.step)
-            save_checkpoint(path, model, optimizer, scheduler, progress=progress, per_process=per_process,
-                            labels=self.labels)
+            save_checkpoint(path, model, optimizer, scheduler, scaler=scaler, progress=progress,
+                            per_process=per_process, labels=self.labels)
             if rank() == 0:
                 write_text_atomic(self.directory / "latest", path.name + "\n")
                 if best:
@@ -703,8 +767,8 @@ class Checkpoints:
             if path not in kept:
                 remove_folder(path)
 
-    def resume(self, model: nn.Module, optimizer, scheduler, loader,
-               check: Callable[[Progress], None] | None = None) -> tuple[Progress, dict | None]:
+    def resume(self, model: nn.Module, optimizer, scheduler, loader, check: Callable[[Progress], None] | None = None,
+               scaler: torch.amp.GradScaler | None = None) -> tuple[Progress, dict | None]:
         """Load the latest checkpoint, if any, and return where the run stands (a fresh Progress if there is
         none) and the random state to restore once the batches already trained have been skipped.
 
@@ -719,7 +783,7 @@ class Checkpoints:
         try:
             path = self.latest()
             if path is not None:
-                checked, progress = self.open_to_resume(path, model, optimizer, scheduler, loader, check)
+                checked, progress = self.open_to_resume(path, model, optimizer, scheduler, loader, check, scaler)
         except CheckpointError as caught:
             error = caught
         seen = gather(None if path is None else path.name)
@@ -733,16 +797,17 @@ class Checkpoints:
             raise CheckpointError(problem)
         if checked is None:
             return Progress(), None
-        state = checked.load_into(model, optimizer, scheduler)
+        state = checked.load_into(model, optimizer, scheduler, scaler)
         mine = state["per_process"][rank()]
         set_epoch_start_state(loader, mine["epoch_start"])
         return progress, mine["rng"] if progress.batch else None
 
     def open_to_resume(self, path: Path, model: nn.Module, optimizer, scheduler, loader,
-                       check: Callable[[Progress], None] | None = None) -> tuple[OpenCheckpoint, Progress]:
+                       check: Callable[[Progress], None] | None = None,
+                       scaler: torch.amp.GradScaler | None = None) -> tuple[OpenCheckpoint, Progress]:
         """Checkpoint ``path``, read and checked for resuming (as many processes as saved it, a loader like the
         one that drew its data order, ``check``), and where this process stands in it."""
-        checked = open_checkpoint(path, model, optimizer, scheduler)
+        checked = open_checkpoint(path, model, optimizer, scheduler, scaler)
         state = checked.state or {"per_process": read_state(path / STATE_FILE)}  # a missing state.pt: its error
         saved_by = len(state["per_process"])
         if saved_by != world_size():

@@ -8,6 +8,7 @@
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
     python -m helpers.finetune --train-file F --validation-file G --test-file H --output-dir out  # your own data
     python -m helpers.finetune --grad-accum-steps 4 --amp bf16 --gradient-checkpointing  # the memory levers (09)
+    torchrun --standalone --nproc_per_node=2 -m helpers.finetune --amp fp16    # a GPU without bf16: T4, V100
 
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
 helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
@@ -52,8 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "/ (processes x N) examples at a time and adds up the gradients of N of them before each "
                              "step; DDP and FSDP communicate once per step (notebook 09)")
     parser.add_argument("--amp", choices=sorted(levers.AMP_DTYPES),
-                        help="bf16: forward and loss under autocast, weights, gradients and Adam in fp32 (default: "
-                             "fp32 throughout); with --strategy fsdp also FSDP2's MixedPrecisionPolicy (notebook 09)")
+                        help="mixed precision (default: fp32 throughout): the forward and the loss under autocast, "
+                             "weights, gradients and Adam in fp32; with --strategy fsdp also FSDP2's "
+                             "MixedPrecisionPolicy (notebook 09). bf16: GPUs of compute capability 8.0 or later, and "
+                             "CPUs. fp16: any GPU (the T4, the V100), with a gradient scaler (torch.amp.GradScaler): "
+                             "the loss is scaled before backward, the gradients unscaled once per optimizer step, "
+                             "and a step whose gradients hold inf or nan is skipped, logged and counted "
+                             "(skipped_steps in the summary); checkpoints keep the scaler's state")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each encoder layer's forward in backward instead of keeping its activations: "
                              "less memory, more compute (notebook 09)")
@@ -180,6 +186,7 @@ def describe(args: argparse.Namespace, world_size: int, device: torch.device) ->
     batch = f"batch {per_rank} per rank" + (f" ({steps} micro-batches of {per_rank // steps})" if steps > 1 else "")
     return (f"{world_size} process(es), backend {dist.get_backend()}, device {device.type}; {batch} x {world_size} = "
             f"global batch {args.global_batch_size}" + (f"; {args.amp} autocast" if args.amp else "")
+            + (" with a gradient scaler" if args.amp == "fp16" else "")
             + ("; activation checkpointing" if args.gradient_checkpointing else "")
             + ("; deterministic algorithms only" if args.deterministic else ""))
 
@@ -274,9 +281,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:  # a resumed run gets each rank's own random state back from the checkpoint
         result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
                                 resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
-                                amp=levers.amp_dtype(args.amp))
+                                amp=levers.amp_dtype(args.amp), scaler=levers.gradient_scaler(args.amp, device))
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
         distributed.stop_everywhere(str(error))
+    if args.amp == "fp16":
+        result["skipped_steps"] = sum(row["skipped_steps"] for row in result["history"])
     report(args, data, model, result, tokenizer)
     distributed.leave_process_group()  # its barrier: no rank leaves before rank 0 has written its files
     return result

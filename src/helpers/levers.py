@@ -1,10 +1,15 @@
-"""Two of the memory levers notebook 05 predicts, as helpers.finetune applies them: bf16 autocast (``--amp bf16``)
-and activation checkpointing (``--gradient-checkpointing``). The third, gradient accumulation, is a loop:
-helpers.train.accumulate.
+"""Two of the memory levers notebook 05 predicts, as helpers.finetune applies them: mixed precision (``--amp bf16``
+or ``--amp fp16``) and activation checkpointing (``--gradient-checkpointing``). The third, gradient accumulation, is
+a loop: helpers.train.accumulate.
 
-- bf16 autocast runs the forward and the loss with matrix products in bf16 (helpers.train.forward_backward);
-  the weights, their gradients and Adam's state stay fp32. Under FSDP2, ``MixedPrecisionPolicy`` also gathers
-  the weights in bf16 (half the all-gather traffic and the gathered copies) and reduces gradients in fp32.
+- mixed precision runs the forward and the loss under autocast, with matrix products in bf16 or fp16
+  (helpers.train.forward_backward); the weights, their gradients and Adam's state stay fp32. bf16 has fp32's range;
+  fp16 has 3 more bits of precision but overflows above 65504 and loses gradients below about 6e-8, so fp16 trains
+  with a gradient scaler (``torch.amp.GradScaler``): the loss is multiplied by a large scale before backward, the
+  gradients divided by it before the optimizer step, and a step whose gradients hold inf or nan is skipped (the
+  scale then halves). Under FSDP2, ``MixedPrecisionPolicy`` also gathers the weights in that type (half the
+  all-gather traffic and the gathered copies) and reduces gradients in fp32. GPUs of compute capability 8.0 or
+  later compute bf16; older ones (the T4, the V100) compute fp16 only (``amp_problem`` refuses bf16 there).
 - activation checkpointing keeps only each encoder layer's input for backward and computes the layer's forward
   again there: less memory, about one more forward of compute.
 """
@@ -15,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-AMP_DTYPES = {"bf16": torch.bfloat16}  # --amp choices
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp choices
 
 
 def amp_dtype(choice: str | None) -> torch.dtype | None:
@@ -23,15 +28,31 @@ def amp_dtype(choice: str | None) -> torch.dtype | None:
     return None if choice is None else AMP_DTYPES[choice]
 
 
-def amp_problem(choice: str | None, device: torch.device) -> str | None:
-    """Why ``--amp choice`` cannot run on ``device``, or None. CPUs compute bf16 in any case (torch converts where
-    the CPU has no bf16 instructions); a CUDA GPU needs bf16 support (compute capability 8.0 or later)."""
-    if choice is None or device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False):
-        return None
-    name = torch.cuda.get_device_name(device)
+def gradient_scaler(choice: str | None, device: torch.device) -> torch.amp.GradScaler | None:
+    """The gradient scaler ``--amp choice`` trains with on ``device``: one for fp16, None for bf16 and fp32, whose
+    range is fp32's."""
+    return torch.amp.GradScaler(device.type) if choice == "fp16" else None
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 itself: any CPU (torch converts where it lacks bf16 instructions), a CUDA
+    GPU of compute capability 8.0 or later (the rule helpers.memory's ``GpuModel.native_bf16`` applies to a
+    GPU by name). Emulated bf16 on an older GPU does not count."""
+    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def describe_gpu(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
-    return (f"--amp {choice}: {name} (compute capability {major}.{minor}) has no bf16 support; train in fp32 "
-            f"(leave out --amp), or use a GPU of compute capability 8.0 or later")
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def amp_problem(choice: str | None, device: torch.device) -> str | None:
+    """Why ``--amp choice`` cannot run on ``device``, or None. fp16 runs everywhere; bf16 on any CPU and on CUDA GPUs
+    of compute capability 8.0 or later."""
+    if choice != "bf16" or native_bf16(device):
+        return None
+    return (f"--amp bf16: {describe_gpu(device)} has no native bf16; use --amp fp16 (fp16 autocast with a gradient "
+            f"scaler), train in fp32 (leave out --amp), or use a GPU of compute capability 8.0 or later")
 
 
 def enable_checkpointing(net: nn.Module) -> nn.Module:
@@ -48,8 +69,10 @@ def enable_checkpointing(net: nn.Module) -> nn.Module:
 
 
 def fsdp_mixed_precision(choice: str | None) -> dict:
-    """``fully_shard`` options for ``--amp choice``: bf16 gathered weights and compute, fp32 gradient reduction."""
+    """``fully_shard`` options for ``--amp choice``: weights gathered and computed in bf16 or fp16, gradients reduced
+    in fp32, and kept in fp32 between micro-batches while the communication is paused (FSDP2 casts them to
+    ``reduce_dtype``: torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``to_accumulated_grad_if_needed``). In
+    fp16, a reduction would round every partial sum and could overflow the scaled gradients' sum over the ranks."""
     if choice is None:
         return {}
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=AMP_DTYPES[choice], reduce_dtype=torch.float32)}
-
