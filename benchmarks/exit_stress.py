@@ -51,6 +51,10 @@ ENTRY_POINTS = {
     "finetune fsdp checks": [*FINETUNE, "--strategy", "fsdp", *CHECKS],  # tests/test_fsdp.py's runs
     "examples/ddp_minimal.py": [*TORCHRUN, str(ROOT / "examples" / "ddp_minimal.py")],
     "tests/ddp_buckets_worker.py": [sys.executable, "-c", SPAWN_WORKER.format(tests=str(ROOT / "tests"))],
+    "tests/checkpoint_worker.py failing-save": [*TORCHRUN, str(ROOT / "tests" / "checkpoint_worker.py"),
+                                                "failing-save", "{tmp}"],
+    "tests/checkpoint_worker.py layouts": [*TORCHRUN, str(ROOT / "tests" / "checkpoint_worker.py"), "layouts", "{tmp}"],
+    "tests/amp_worker.py": [*TORCHRUN, str(ROOT / "tests" / "amp_worker.py")],
 }
 
 
