@@ -62,10 +62,13 @@ def describe(notebook: Path, root: Path = ROOT) -> Page:
 
 def learning_path(pages: list[Page]) -> str:
     """The index's list of notebooks (each with its solutions) and the site's table of contents."""
-    lessons = [p for p in pages if "/solutions/" not in p.path]
+    lessons = [p for p in pages if "/solutions/" not in p.path]  # appendices too (NN_appendix_*), after their lesson
     solutions = [p for p in pages if "/solutions/" in p.path]
     lines = []
     for lesson in lessons:
+        if "_appendix_" in lesson.path:  # under its lesson, beside the solutions
+            lines.append(f"  - [{lesson.title}]({lesson.path}) — *{lesson.summary}*")
+            continue
         lines.append(f"- **[{lesson.title}]({lesson.path})**  \n  *{lesson.summary}*")
         for solution in (s for s in solutions if s.number == lesson.number):
             lines.append(f"  - [{solution.title}]({solution.path}) — *{solution.summary}*")

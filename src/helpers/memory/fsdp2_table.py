@@ -1,6 +1,6 @@
-"""Notebook 08's table of predictions, stored: three models under DDP and FSDP2 on 2, 4 and 8 GPUs, and FSDP2's
-levers. Computing it takes a few minutes of traces, so the notebook reads the stored file and recomputes one entry
-(tests recompute one of its entries).
+"""The table of predictions notebook 08 and its solutions read, stored: three models under DDP and FSDP2 on 2, 4 and
+8 GPUs (08), and FSDP2's levers (solutions 08, exercise 5). Computing it takes a few minutes of traces, so the
+notebooks read the stored file and 08 recomputes one entry (tests recompute one of its entries).
 
     python -m helpers.memory.fsdp2_table      # recompute the stored table
 """
@@ -28,7 +28,7 @@ def predict_ddp(config, batch_size: int, seq_len: int) -> dict[str, int]:
 
 def build_table(batch_size: int = 8, seq_len: int = 512, gpus=(2, 4, 8), lever_model: str = "BERT-large",
                 lever_gpus: int = 8) -> dict:
-    """Every prediction notebook 08 charts: three models under DDP and FSDP on ``gpus``, and the levers, on an
+    """Every prediction notebook 08 and its solutions show: three models under DDP and FSDP on ``gpus``, and the levers, on an
     H200 with none of the workspace variables set."""
     table = {"batch_size": batch_size, "seq_len": seq_len, "models": {}, "levers": {}}
     for name, make in MODELS.items():
