@@ -47,10 +47,12 @@ class CollectiveCounter:
     watched during the block (``helpers.memory.torch_private.seeing_fsdp2_collectives``). Bytes are
     those of the tensor handed to the collective on this process: a bucket, the full gradients to reduce-scatter,
     the full gathered weights. A group of one process: DDP still all-reduces; FSDP2 skips its collectives.
+    The counter keeps no reference to the model: DDP's C++ reducer holds the hook's state (this counter), a
+    cycle the garbage collector cannot see, so a counter holding its model would keep it alive after ``del``.
     """
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.sharded = is_sharded(model)
         self.calls, self.bytes = Counter(), Counter()
         self.active = False
         self._watching = ExitStack()
@@ -65,7 +67,7 @@ class CollectiveCounter:
         self.calls.clear()
         self.bytes.clear()
         self.active = True
-        if is_sharded(self.model):
+        if self.sharded:
             self._watching.enter_context(seeing_fsdp2_collectives(self.add))
         return self
 

@@ -101,9 +101,11 @@ def accumulate(model: nn.Module, batches: list[dict], loss_fn=None, amp: torch.d
 
     Each micro-batch's loss (a mean over its examples) is weighted by its share of all the examples, so
     micro-batches of unequal size (an epoch's last) give the mean over every example, as one batch would;
-    padding is no example, and a loss per token would be weighted by tokens instead. Every backward but the last
-    stays on this process (``no_gradient_sync``): DDP and FSDP2 communicate once per optimizer step. ``amp`` and
-    ``scaler``: as in ``forward_backward``.
+    padding is no example, and a loss per token would be weighted by tokens instead. DDP and FSDP2 average the
+    ranks with equal weights: the mean over every rank's examples needs as many examples on each rank per step
+    (DistributedSampler gives each rank as many). Every micro-batch but the last runs its forward and backward
+    inside ``no_gradient_sync`` (DDP decides in forward whether backward communicates): DDP and FSDP2
+    communicate once per optimizer step. ``amp`` and ``scaler``: as in ``forward_backward``.
     """
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     examples = sum(len(batch["labels"]) for batch in batches)
