@@ -33,11 +33,13 @@ def is_sharded(model: nn.Module) -> bool:
 
 @contextmanager
 def no_gradient_sync(model: nn.Module):
-    """Inside the block, backward adds gradients on this process only; the first backward after it communicates.
+    """Run forward and backward inside the block: the gradients add up on this process only; the first forward and
+    backward after it communicate.
 
     Gradient accumulation needs the gradients of all processes only once per optimizer step. DDP all-reduces
-    every gradient bucket in every backward unless ``no_sync()`` is active; FSDP2 reduce-scatters every
-    backward unless ``set_requires_gradient_sync(False)``. Any other model has nothing to pause.
+    every gradient bucket in every backward unless ``no_sync()`` was active when its forward ran (DDP decides in
+    forward); FSDP2 reduce-scatters every backward unless ``set_requires_gradient_sync(False)``. Any other model
+    has nothing to pause.
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
