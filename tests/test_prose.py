@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from helpers.checks import prose
 
-AFTER_THE_REWRITE = pytest.mark.skip(reason="enabled by issue 38's prose rewrite: the notebooks do not pass yet")
 SUMMARY = "*An English summary line, long enough that textlint's sentence-length rule would flag it: " + "x" * 80 + "*"
 LONG = ("次の名前を順に並べます: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
         "rho sigma tau upsilon。")  # 119 characters: over sentence-length's 100, and breaks no other rule
@@ -74,7 +73,6 @@ def test_a_lesson_is_counted_without_its_summary_and_comments(tmp_path):
     assert prose.lesson_sizes(tmp_path) == [prose.Size("notebooks/01_a.ipynb", 6 + 2 + 3 + 4, 3)]
 
 
-@AFTER_THE_REWRITE
 def test_textlint_finds_nothing_in_the_series():
     report = prose.check()
     if report.skipped:
@@ -82,7 +80,6 @@ def test_textlint_finds_nothing_in_the_series():
     assert not report.findings, "\n".join(map(str, report.findings)) + "\n" + "\n".join(prose.summary(report))
 
 
-@AFTER_THE_REWRITE
 def test_every_lesson_fits_its_slot():
     sizes = prose.lesson_sizes()
     assert len(sizes) == 10
