@@ -7,7 +7,7 @@ from torch import nn
 
 from helpers.distributed import leave_process_group
 from helpers.memory.configs import bundled_config
-from helpers.memory.torch_private import mem_tracker
+from helpers.torch_private import mem_tracker
 from helpers.memory.tracer import NetFromConfig
 
 

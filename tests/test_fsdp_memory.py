@@ -12,7 +12,7 @@ from helpers.memory import (GIB, GPUS, MODELS, activation_formula, bert_base_con
                             per_device, parameters, predict_fsdp, trace_fsdp, workspaces)
 from helpers.memory.fsdp2 import LEVERS
 from helpers.memory.kernels import CudaLikeKernels
-from helpers.memory.torch_private import FakeTensorMode
+from helpers.torch_private import FakeTensorMode
 
 
 def test_stored_table_equals_a_fresh_prediction():

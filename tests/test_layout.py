@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "helpers"
 SEPARATE = ("helpers.build", "helpers.checks")
 TRAINING = ("helpers.train", "helpers.finetune", "helpers.checkpoint")  # what the memory predictor never imports
-MEMORY_LAYERS = ("torch_private", "categories", "gpu_facts", "allocator", "simulated_gpu", "configs", "formulas",
+MEMORY_LAYERS = ("categories", "gpu_facts", "allocator", "simulated_gpu", "configs", "formulas",
                  "kernels", "tracker", "tracer", "cuda_step", "fsdp2", "prediction", "record", "fsdp2_table", "charts",
                  "command", "__main__")
 """helpers.memory's modules in the order of its front door's docstring: each imports only modules before it."""
@@ -59,7 +59,7 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules it imports. The front door of helpers.memory imports its modules when a name is first
     asked for (``EXPORTS``): those count as its imports too."""
     graph = {name: imported_modules(path.read_text(encoding="utf-8"), name) for name, path in MODULES.items()}
-    graph["helpers.memory"] |= {f"helpers.memory.{module}" for module in helpers.memory.EXPORTS}
+    graph["helpers.memory"] |= {helpers.memory.module_of(key) for key in helpers.memory.EXPORTS}
     return graph
 
 

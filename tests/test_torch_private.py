@@ -1,4 +1,4 @@
-"""The private PyTorch surfaces of helpers.memory.torch_private: the version check warns once on another torch and
+"""The private PyTorch surfaces of helpers.torch_private: the version check warns once on another torch and
 stays silent on the tested one, a missing surface or changed signature fails in one line naming the torch the
 series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) are this torch's."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.memory import categories, torch_private
-from helpers.memory.torch_private import TESTED, TorchSurfaceMissing, attribute, positional_operator, untested
+from helpers import torch_private
+from helpers.memory import categories
+from helpers.torch_private import TESTED, TorchSurfaceMissing, attribute, positional_operator, untested
 
 IMPORT_EVERYTHING = ("import helpers.memory.command, helpers.memory.fsdp2_table, helpers.lever_memory, "
                      "helpers.accumulation")
@@ -47,7 +48,7 @@ def test_a_missing_surface_fails_in_one_line_naming_the_torch_needed():
         attribute("torch.distributed._tools.no_such_tracker", "MemTracker")
     message = str(raised.value)
     assert isinstance(raised.value, ImportError) and "\n" not in message
-    assert message == (f"helpers.memory needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has no "
+    assert message == (f"helpers needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has no "
                        f"torch.distributed._tools.no_such_tracker.MemTracker")
     assert isinstance(raised.value.__cause__, ModuleNotFoundError)
     with pytest.raises(TorchSurfaceMissing, match=r"has no torch\.FakeTensorModeThatIsNot$"):
@@ -121,7 +122,7 @@ def test_a_torch_with_neither_collective_fails_in_one_line_naming_the_torch_need
     with pytest.raises(TorchSurfaceMissing) as raised:
         with torch_private.seeing_fsdp2_collectives(lambda kind, tensor: None):
             pass
-    assert str(raised.value) == (f"helpers.memory needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has "
+    assert str(raised.value) == (f"helpers needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has "
                                  f"no torch.distributed.reduce_scatter_single or reduce_scatter_tensor (FSDP2's "
                                  f"reduce-scatter)")
     assert hasattr(dist, "all_gather_single")  # nothing was left wrapped

@@ -18,7 +18,7 @@ from torch import nn
 from helpers.equivalence import (EQUIVALENCE_TOLERANCE, largest_difference, loss_and_backward, parallel_copy,
                                  reference_net, share)
 from helpers.memory import tracking
-from helpers.memory.torch_private import seeing_fsdp2_collectives
+from helpers.torch_private import seeing_fsdp2_collectives
 from helpers.train import accumulate
 from helpers.wrapping import is_sharded
 
@@ -44,7 +44,7 @@ class CollectiveCounter:
     DDP all-reduces its gradient buckets from C++, where Python cannot see them, so a communication hook counts
     each bucket it is handed and then all-reduces it as DDP does (``allreduce_hook``); a DDP model takes one hook
     in its life, so build one counter per model and reuse it. FSDP2 calls its collectives from Python; they are
-    watched during the block (``helpers.memory.torch_private.seeing_fsdp2_collectives``). Bytes are
+    watched during the block (``helpers.torch_private.seeing_fsdp2_collectives``). Bytes are
     those of the tensor handed to the collective on this process: a bucket, the full gradients to reduce-scatter,
     the full gathered weights. A group of one process: DDP still all-reduces; FSDP2 skips its collectives.
     The counter keeps no reference to the model: DDP's C++ reducer holds the hook's state (this counter), a

@@ -6,8 +6,7 @@ needs no torch) or running one (``python -m helpers.memory.cuda_step``) loads on
 
 Inside, one module per concern (each imports only those above it in this list):
 
-- ``torch_private``: every private PyTorch surface the predictor and the notebooks rest on, checked against the
-  torch it was written for; ``categories``: the words memory is split into (weights, gradients, ...), in one order;
+- ``categories``: the words memory is split into (weights, gradients, ...), in one order;
 - ``gpu_facts``: GPUs as a table, which mixed precision and attention kernel each runs, and what CUDA allocates
   besides tensors, read in PyTorch's C++ (pure: no torch);
 - ``allocator`` and ``simulated_gpu``: PyTorch's caching allocator in Python, and a GPU replaying a traced step;
@@ -38,18 +37,23 @@ EXPORTS = {
     "prediction": ("FITS", "default_gpu", "largest_batch", "per_device", "predict_cpu_step", "predict_step"),
     "record": ("h200_steps",),
     "tracer": ("trace_fake",),
-    "torch_private": ("recording_memory_history",),
+    "helpers.torch_private": ("recording_memory_history",),  # every private PyTorch surface of the package
     "tracker": ("tracking",),
 }
-"""The front door's names, by the module that defines them."""
+"""The front door's names, by the module that defines them (inside this package, or named in full)."""
 _HOME = {name: module for module, names in EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)
+
+
+def module_of(key: str) -> str:
+    """The full name of an ``EXPORTS`` key: a module of this package, or one named in full."""
+    return key if key.startswith("helpers.") else f"helpers.memory.{key}"
 
 
 def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module 'helpers.memory' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"helpers.memory.{_HOME[name]}"), name)
+    return getattr(importlib.import_module(module_of(_HOME[name])), name)
 
 
 def __dir__() -> list[str]:

@@ -22,7 +22,7 @@ from helpers.levers import enable_checkpointing
 from helpers.memory.configs import bert_base_config
 from helpers.memory.gpu_facts import PRECISIONS, GpuModel, amp_precision
 from helpers.memory.kernels import DTYPES
-from helpers.memory.torch_private import clear_cublas_workspaces, fused_sdp_choice
+from helpers.torch_private import clear_cublas_workspaces, fused_sdp_choice
 from helpers.memory.tracer import build_model
 
 

@@ -30,7 +30,7 @@ from helpers.fsdp import shard
 from helpers.memory.categories import FSDP_MEMTRACKER, in_order, in_words
 from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision, workspaces
 from helpers.memory.kernels import DTYPES, CudaLikeKernels
-from helpers.memory.torch_private import FakeTensorMode, fake_store
+from helpers.torch_private import FakeTensorMode, fake_store
 from helpers.memory.tracer import build_model
 from helpers.memory.tracker import tracking
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from helpers.memory.gpu_facts import GPUS, GpuModel, attention_kernel
-from helpers.memory.torch_private import fused_attention, native_dropout
+from helpers.torch_private import fused_attention, native_dropout
 
 # What CUDA autocast does to the functions Net calls (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA lists):
 # linear, matmul and scaled_dot_product_attention run in the low-precision type; layer_norm, softmax,

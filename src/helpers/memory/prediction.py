@@ -19,7 +19,7 @@ from helpers.memory.formulas import parameter_bytes
 from helpers.memory.fsdp2 import predict_fsdp
 from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision
 from helpers.memory.kernels import DTYPES
-from helpers.memory.torch_private import FakeTensorMode
+from helpers.torch_private import FakeTensorMode
 from helpers.memory.tracer import StepMemory, build_model, trace_fake, trace_step
 
 PREDICTED_STRATEGIES = ("single", "dataparallel", "ddp", "fsdp2")

@@ -26,7 +26,7 @@ import torch
 from helpers.memory.allocator import CachingAllocator
 from helpers.memory.categories import ORDER
 from helpers.memory.gpu_facts import GpuModel, reduce_buffers, workspaces
-from helpers.memory.torch_private import (BIAS_GEMM, GEMMS, SUM_OVER_DIMS, TorchDispatchMode, WeakIdKeyDictionary,
+from helpers.torch_private import (BIAS_GEMM, GEMMS, SUM_OVER_DIMS, TorchDispatchMode, WeakIdKeyDictionary,
                                           tree_leaves)
 
 FILED = tuple(word for word in ORDER if word not in ("gathered", "buckets"))

@@ -2,7 +2,7 @@
 
 Under ``FakeTensorMode`` tensors have shapes but no data, so a BERT-base step is traced on a laptop in a second
 or two without allocating its gigabytes. Two ways to count, both resting on private PyTorch code
-(helpers.memory.torch_private):
+(helpers.torch_private):
 
 - PyTorch's own tracker, ``MemTracker`` (helpers.memory.tracker): it files every tensor under parameters,
   gradients, optimizer state, activations or temporaries and reports the peak of the bytes tensors ask for. It
@@ -27,7 +27,7 @@ from torch import nn
 from helpers.memory.gpu_facts import GPUS, GpuModel
 from helpers.memory.kernels import CudaLikeKernels
 from helpers.memory.simulated_gpu import SimulatedGpu
-from helpers.memory.torch_private import FakeTensorMode
+from helpers.torch_private import FakeTensorMode
 from helpers.memory.tracker import tracking
 from helpers.net import Net
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from helpers.memory.categories import FSDP_MEMTRACKER, MEMTRACKER, in_words
-from helpers.memory.torch_private import fsdp_mem_tracker, mem_tracker
+from helpers.torch_private import fsdp_mem_tracker, mem_tracker
 from helpers.wrapping import is_sharded, unwrap
 
 

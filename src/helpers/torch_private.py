@@ -1,6 +1,7 @@
-"""Every private PyTorch surface the memory predictor and the notebooks rest on, in one place: notebook 09's
-collective counter (``seeing_fsdp2_collectives``) and the memory snapshot of notebook 05's appendix
-(``recording_memory_history``).
+"""Every private PyTorch surface the package rests on, in one place: the memory predictor's (fake tensors, the
+trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``) and the
+memory snapshot of notebook 05's appendix (``recording_memory_history``). Nothing else in ``src/`` touches a private
+name of torch (tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
@@ -34,7 +35,7 @@ class TorchSurfaceMissing(ImportError):
 
 
 def missing(what: str) -> TorchSurfaceMissing:
-    return TorchSurfaceMissing(f"helpers.memory needs torch {NEEDED} (tested with {TESTED}); torch {torch.__version__} "
+    return TorchSurfaceMissing(f"helpers needs torch {NEEDED} (tested with {TESTED}); torch {torch.__version__} "
                                f"has no {what}")
 
 
@@ -42,8 +43,8 @@ def untested(version: str) -> str | None:
     """The warning for torch ``version``, or None where it is the tested one (local builds such as +cpu count)."""
     if version.split("+")[0] == TESTED:
         return None
-    return (f"helpers.memory was tested with torch {TESTED}, this is torch {version}: its memory predictions rest on "
-            f"private PyTorch code that may have changed (CONTRIBUTING.md, 'Upgrading torch')")
+    return (f"helpers was tested with torch {TESTED}, this is torch {version}: parts of it rest on private PyTorch "
+            f"code that may have changed (CONTRIBUTING.md, 'Upgrading torch')")
 
 
 def attribute(module: str, name: str):
