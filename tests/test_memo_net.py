@@ -65,6 +65,8 @@ def test_memo_net_is_the_memos_net_but_for_the_declared_changes():
 
 
 def test_memo_net_runs_unchanged_at_the_memos_width_and_stops_at_view_on_the_bundled_model(tmp_path):
+    """Notebook 01's trap 1: at width 128, ``view(-1, 768)`` stops for 3 sentences (384 values) and for 6 (768 values,
+    but the [CLS] rows are not contiguous); ``reshape``, which the second message suggests, gives one row for six."""
     namespace = {"nn": nn}
     exec(compile(ast.parse(memo_cell()), str(NOTEBOOK), "exec"), namespace)
     memo_net = namespace["MemoNet"]
@@ -77,5 +79,12 @@ def test_memo_net_runs_unchanged_at_the_memos_width_and_stops_at_view_on_the_bun
 
     tiny = resolve_model(DEFAULT_MODEL)
     tiny_batch = load_tokenizer(tiny)(SENTENCES, padding="longest", return_tensors="pt")
+    tiny_net = memo_net(tiny.source)
     with pytest.raises(RuntimeError, match=r"shape '\[-1, 768\]' is invalid for input of size 384"):
-        memo_net(tiny.source)(tiny_batch["input_ids"])
+        tiny_net(tiny_batch["input_ids"])
+    six = load_tokenizer(tiny)(SENTENCES * 2, padding="longest", return_tensors="pt")["input_ids"]
+    with pytest.raises(RuntimeError, match="view size is not compatible with input tensor's size and stride"):
+        tiny_net(six)
+    with torch.no_grad():
+        cls_vectors = tiny_net.bert(six).last_hidden_state[:, 0, :]
+        assert tiny_net.linear(cls_vectors.reshape(-1, 768)).shape == (1, 2)
