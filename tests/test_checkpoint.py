@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, epoch_start_state,
                                 full_weights, load_checkpoint, rng_state, save_checkpoint, set_rng_state,
                                 state_dicts_equal)
-from helpers.checkpoint_files import SHARDED_DIR, read_shard_metadata, saved_tensors
+from helpers.checkpoint.files import SHARDED_DIR
+from helpers.checkpoint.shard_metadata import read_shard_metadata, saved_tensors
 from helpers.wrapping import unwrap
 
 
@@ -597,7 +598,7 @@ def test_a_checkpoint_saved_on_windows_reads_on_linux(sharded_saved, tmp_path):
 
 def test_a_shard_dcp_cannot_read_is_one_checkpoint_error_and_changes_nothing(sharded_saved):
     """DCP's failures are CheckpointException, a BaseException that `except Exception` misses; the model and the
-    optimizer take nothing from a load that failed halfway."""
+    optimizer take nothing from a load that failed halfway. The message is the reader's, naming the chunk."""
     data = sharded_saved / SHARDED_DIR / "__0_0.distcp"
     metadata = read_shard_metadata(sharded_saved / SHARDED_DIR)
     last = max(metadata.storage_data.values(), key=lambda place: place.offset)  # read after the others
@@ -605,9 +606,9 @@ def test_a_shard_dcp_cannot_read_is_one_checkpoint_error_and_changes_nothing(sha
     damaged[last.offset:last.offset + 4] = b"\0\0\0\0"  # the zip header of torch.save's bytes for that entry
     data.write_bytes(bytes(damaged))
     model, optimizer, scheduler = trained(seed=1, sharded=True)
-    error = refused(sharded_saved, rf"^{sharded_saved / SHARDED_DIR}: torch.distributed.checkpoint could not read it "
-                                   r"\(rank 0: UnpicklingError: Weights only load failed", model, optimizer, scheduler)
-    assert type(error.__cause__).__name__ == "CheckpointException"
+    error = refused(sharded_saved, rf"^{data}: the chunk of [\w.]+ at \(\d+,\): not a readable torch.save tensor, it "
+                                   r"may be damaged \(Unsupported operand 0\)$", model, optimizer, scheduler)
+    assert type(error.__cause__).__name__ == "CheckpointException"  # DCP's, holding the reader's error
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -753,8 +754,10 @@ SCALER = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_
 """A GradScaler's state after a few skipped steps and 3 good ones, with factors of its own: no default in it."""
 
 
-def scaler(state=None):
-    scaler = torch.amp.GradScaler("cpu")
+def scaler(state=None, **settings):
+    """A GradScaler with SCALER's settings (or ``settings``), a new one's scale, or ``state``."""
+    scaler = torch.amp.GradScaler("cpu", **({"growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7}
+                                            | settings))
     if state is not None:
         scaler.load_state_dict(state)
     return scaler
@@ -775,6 +778,13 @@ def test_a_gradient_scalers_state_round_trips(saved_with_scaler):
     assert fresh.state_dict() == SCALER and state["progress"]["skipped_steps"] == 1
     scaled = fresh.scale(torch.ones(()))  # the scale it goes on with is the saved one, not a new scaler's 65536
     assert scaled.item() == SCALER["scale"]
+
+
+def test_a_scaler_with_other_settings_is_refused_naming_the_setting(saved_with_scaler):
+    """A checkpoint another run wrote: its scale and count would go on under other growth rules."""
+    refused(saved_with_scaler, rf"^{saved_with_scaler / STATE_FILE}: the gradient scaler's state differs from this "
+            r"GradScaler's: 'growth_interval' saved as 7, it has 2000$", *trained(seed=1),
+            scaler=scaler(growth_interval=2000))
 
 
 def test_resuming_without_the_scaler_a_checkpoint_was_saved_with_is_refused(saved_with_scaler):

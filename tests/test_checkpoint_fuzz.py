@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from helpers import fsdp
 from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, full_weights, load_checkpoint,
                                 state_dicts_equal)
-from helpers.checkpoint_files import SHARDED_DIR
+from helpers.checkpoint import SHARDED_DIR
 from helpers.net import Net
 from helpers.optim import two_lr_adam
 
