@@ -826,3 +826,52 @@ def test_a_damaged_scaler_part_is_refused_before_loading(saved_with_scaler, chan
     file = with_state(saved_with_scaler, change)
     refused(saved_with_scaler, rf"^{file}: not a checkpoint's state as save_checkpoint writes it: {problem}",
             *trained(seed=1), scaler=scaler())
+
+
+# --- all or nothing: a failure while loading puts everything back; opening touches nothing ----------------------
+
+def test_a_failure_while_loading_puts_back_everything_already_loaded(saved):
+    """The model and the optimizer are loaded when the optimizer's load hook raises: both go back, bit for bit."""
+    model, optimizer, scheduler = trained(seed=1)
+
+    def failing(optimizer):
+        raise RuntimeError("a load hook failed")
+
+    optimizer.register_load_state_dict_post_hook(failing)
+    error = refused(saved, rf"^{saved}: not loaded, and everything is as it was \(RuntimeError: a load hook "
+                           r"failed\)$", model, optimizer, scheduler)
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+def test_a_resume_that_fails_while_loading_puts_back_the_random_state_too(tmp_path):
+    path, loader = saved_run(tmp_path)
+    model, optimizer, scheduler = trained(seed=1)
+    model.norm.register_load_state_dict_post_hook(lambda module, keys: 1 / 0)  # after the weights were copied
+    torch.manual_seed(5)
+    random_state = torch.get_rng_state()
+    refused(tmp_path, rf"^{path}: not loaded, and everything is as it was \(ZeroDivisionError: division by zero\)$",
+            model, optimizer, scheduler, resume_with=loader)
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+def test_opening_fires_no_hook_and_makes_no_state_on_an_optimizer_that_has_not_stepped(saved):
+    """The old way learnt the state's shapes with a step of learning rate 0 on the caller's optimizer."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from helpers.checkpoint import open_checkpoint
+
+    model, optimizer, scheduler = trained(seed=1)
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fired = []
+    handles = [register_optimizer_step_pre_hook(lambda *args: fired.append("global step")),
+               fresh.register_step_pre_hook(lambda *args: fired.append("step")),
+               fresh.register_state_dict_pre_hook(lambda *args: fired.append("state_dict"))]
+    try:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1 / (1 + step))
+        open_checkpoint(saved, model, fresh, scheduler)
+        assert len(fresh.state) == 0 and all(p.grad is None for p in model.parameters())
+        load_checkpoint(saved, model, fresh, scheduler)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert fired == [] and len(fresh.state) == 4

@@ -78,9 +78,12 @@ def status_of(path: Path, folder: Path, expected: str) -> os.stat_result:
         status = os.stat(path)
     except FileNotFoundError as error:
         if os.path.islink(path):
-            raise CheckpointError(f"{path}: a symlink to nothing ({reason(error)})") from error
-        raise missing(path) if expected == "regular file" else CheckpointError(f"{path}: no such checkpoint "
-                                                                               f"folder") from error
+            problem = CheckpointError(f"{path}: a symlink to nothing ({reason(error)})")
+        elif expected == "regular file":
+            problem = missing(path)
+        else:
+            problem = CheckpointError(f"{path}: no such checkpoint folder")
+        raise problem from error
     except OSError as error:
         raise CheckpointError(f"{path}: not readable ({reason(error)})") from error
     if not inside(path, folder):
@@ -95,8 +98,8 @@ def open_regular(path: Path, folder: Path, cap: int | None = None) -> BinaryIO:
     """``path`` opened for reading, once known to be a regular file inside ``folder`` of at most ``cap`` bytes."""
     status = status_of(path, folder, "regular file")
     if cap is not None and status.st_size > cap:
-        raise CheckpointError(f"{path}: {status.st_size:,} bytes, more than such a file holds for this model "
-                              f"({cap:,}); refused without reading it")
+        raise CheckpointError(f"{path}: {status.st_size:,} bytes, more than such a file holds here ({cap:,}); "
+                              f"refused without reading it")
     try:
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as error:
