@@ -3,10 +3,14 @@
 A plain run (one process, resumed with ``Checkpoints.resume``), a DDP run and an FSDP2 run (2 processes under
 torchrun, saved by tests/checkpoint_worker.py; loaded here into one process, the FSDP2 one resharded) are saved
 once, then mutated case by case: truncated at many offsets, damaged, crafted pickles, files missing or extra, keys
-and shapes that do not match. Every case must end in one of two ways: one CheckpointError that names a file of the
-folder and keeps the exception it comes from as its cause, with the model, the optimizer, the scheduler and every
-class a pickle may name unchanged; or, where the folder still holds the same checkpoint (an extra file, a byte
-that does not matter), a load that gives the saved weights.
+and shapes that do not match; and, one test per kind, the faults that pass the format checks: a state that fails
+while loading or at the first step, values this run would never write (another run's settings among them), files
+outside the folder, pointers and files that are not regular files, and hooks. Every case must end in one of two
+ways: one CheckpointError that names a file of the folder and keeps the exception it comes from as its cause (and
+its words), with the model, the optimizer, the scheduler, the random state and every class a pickle may name
+unchanged bit for bit; or, where the folder still holds the same checkpoint (an extra file, a byte that does not
+matter, a symlink inside the folder), a load that gives the saved weights. The objects loaded into have stepped once
+past the checkpoint, so that a load that changed any of them shows.
 """
 
 import io
@@ -56,6 +60,7 @@ class Layout:
     optimizer: torch.optim.Optimizer
     scheduler: object
     saved: dict = field(default_factory=dict)  # the weights the checkpoint holds
+    loaded: bool = False  # the last case loaded (run_cases then resets the objects)
 
     @property
     def checkpoint(self) -> Path:
@@ -67,6 +72,13 @@ class Layout:
             Checkpoints(self.root).resume(self.model, self.optimizer, self.scheduler, loader)
         else:
             load_checkpoint(self.checkpoint, self.model, self.optimizer, self.scheduler)
+
+    def reset(self) -> None:
+        """A new model, optimizer and scheduler, loaded from the (intact) checkpoint and stepped once: after a load
+        took a crafted state (which may break a step), the next case starts from the same objects again."""
+        self.model, self.optimizer, self.scheduler = target(self.name)
+        self.load()
+        self.step()
 
     def step(self) -> None:
         """One training step, so that the model, the optimizer and the scheduler hold other values than the
@@ -216,20 +228,24 @@ def outcome(layout: Layout, may_load: bool, caused: bool, names: str | None = No
     except BaseException as error:  # the contract: only CheckpointError
         changed_classes(classes)
         return f"raised {type(error).__name__}: {str(error)[:300]}"
-    loaded = state_dicts_equal(full_weights(layout.model), layout.saved)
-    layout.step()  # other values than the checkpoint again, for the next case
+    layout.loaded = True  # run_cases resets it
     if changed_classes(classes):
         return "loaded, and changed a class"
     if not may_load:
         return "loaded"
-    return None if loaded else "loaded other weights than saved"
+    return None if state_dicts_equal(full_weights(layout.model), layout.saved) else "loaded other weights than saved"
+
+
+class Hung(BaseException):
+    """A load still running after its time: not an OSError (as TimeoutError is), so that no handler takes it for a
+    file's problem."""
 
 
 @contextmanager
 def time_limit(seconds: int):
-    """Raise TimeoutError in the block after ``seconds`` (SIGALRM: opening a FIFO for reading waits in the kernel)."""
+    """Raise Hung in the block after ``seconds`` (SIGALRM: opening a FIFO for reading waits in the kernel)."""
     def expired(signum, frame):
-        raise TimeoutError(f"still loading after {seconds} s")
+        raise Hung(f"still loading after {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.alarm(seconds)
@@ -296,12 +312,14 @@ def run_cases(layout: Layout, cases: list[tuple], caused: bool = False) -> list[
     (``outcome``), restore the folder."""
     broken = []
     for name, mutate, may_load, *names in cases:
-        files = Mutable(layout)
+        files, layout.loaded = Mutable(layout), False
         try:
             mutate(files)
             problem = outcome(layout, may_load, caused, *names)
         finally:
             files.restore()
+        if layout.loaded:
+            layout.reset()
         if problem:
             broken.append(f"{layout.name}, {name}: {problem}")
     return broken
@@ -636,10 +654,14 @@ def state_pt_with_pickle(change):
     return mutate
 
 
-def a_group_name_nested(depth: int):
-    """The first group's "name" ("bert", pickled as BINUNICODE) replaced by lists nested ``depth`` deep."""
-    return state_pt_with_pickle(lambda data: data.replace(b"X\x04\x00\x00\x00bert", b"]" * depth + b"a" * (depth - 1),
-                                                          1))
+def a_group_entry_nested(depth: int):
+    """A mutation: the first group gets an entry more ("notes"), lists nested ``depth`` deep (the old checks compared
+    only the entries this run has)."""
+    marker = "nested lists"
+    saved = torch_saved(lambda s: group(s).update(notes=marker))
+    nested = state_pt_with_pickle(lambda data: data.replace(b"X" + len(marker).to_bytes(4, "little") + marker.encode(),
+                                                            b"]" * depth + b"a" * (depth - 1), 1))
+    return lambda files: (saved(files), nested(files))
 
 
 def rechunked(name: str, change):
@@ -670,7 +692,7 @@ FAILS_WHILE_LOADING = {
     "exp_avg a meta tensor": (FULL, torch_saved(lambda s: first_state(s).update(exp_avg=first_state(s)["exp_avg"]
                                                                                .to("meta")))),
     "scheduler state {}": (ALL, torch_saved(lambda s: s.update(scheduler={}))),
-    "a group's name nested 100,000 deep": (ALL, a_group_name_nested(100_000)),
+    "a group's entry nested 100,000 deep": (ALL, a_group_entry_nested(100_000)),
     "a chunk of exp_avg re-saved as a meta tensor": (("fsdp",), rechunked("optimizer.state.linear.weight.exp_avg",
                                                                           lambda t: t.to("meta"))),
 }
@@ -862,7 +884,7 @@ def test_opening_fires_no_hook_and_every_refusal_says_its_cause(layouts, name):
             broken.append(f"{name}, {case}: fired {sorted(set(hooks.fired))}")
         if not may_fire and snapshot(layout) != before:
             broken.append(f"{name}, {case}: changed the caller's objects")
-        layout.step()
+    layout.reset()
     hooks = Hooks(layout)
     try:
         broken += run_cases(layout, [("amsgrad True, refused", torch_saved(lambda s: group(s).update(amsgrad=True)),

@@ -1,7 +1,9 @@
 """Every private PyTorch surface the package rests on, in one place: the memory predictor's (fake tensors, the
 trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``) and the
-memory snapshot of notebook 05's appendix (``recording_memory_history``). Nothing else in ``src/`` touches a private
-name of torch (tests/test_layout.py).
+memory snapshot of notebook 05's appendix (``recording_memory_history``), and the checkpoints' (the private names in
+DCP's pickled metadata, CPython's pure-Python unpickler that reads it, an optimizer's step without its hooks, the
+state keys torch names privately). Nothing else in ``src/`` touches a private name of torch or of CPython's pickle
+(tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
