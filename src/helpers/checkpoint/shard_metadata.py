@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from helpers.checkpoint.files import CheckpointError, SHARDED_DIR, read_capped, reason, status_of
-from helpers.checkpoint.validation import Invalid, problems_in, require, shown
+from helpers.checkpoint.files import CheckpointError, read_capped, reason, status_of
+from helpers.checkpoint.validation import problems_in, require, shown
 from helpers.torch_private import HookedUnpickler, dcp_chunk_place, dcp_private_globals
 
 METADATA_FILE = ".metadata"

@@ -1,6 +1,7 @@
 """The one way a check says what is wrong: ``require(condition, problem)`` raises ``Invalid``, and ``problems_in``
-turns it into a CheckpointError naming the file, with the ``Invalid`` as its cause. The shard metadata, the saved
-state and its fit to this run are all checked through it."""
+turns it into a CheckpointError naming the file, with the ``Invalid`` as its cause. The shard metadata
+(``shard_metadata``) and the saved state (``state_format``) are checked through it; the words for values and
+tensors (``shown``, ``is_number``, ``plain_tensor_problem``) serve ``shard_reader`` and ``against_run`` too."""
 
 from __future__ import annotations
 
