@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import helpers.atomic
-import helpers.checkpoint
-from helpers.atomic import TEMPORARY_PREFIX
+import helpers.checkpoint.atomic
+import helpers.checkpoint.writing
+from helpers.checkpoint.atomic import TEMPORARY_PREFIX
 from helpers.checkpoint import (CheckpointError, Checkpoints, Progress, epoch_start_state, full_weights,
                                 load_checkpoint, save_checkpoint, state_dicts_equal)
 
@@ -65,7 +65,7 @@ class Killed(BaseException):
 
 
 FILE_SYSTEM_STEPS = [(os, "rename"), (os, "replace"), (os, "fsync"), (os, "unlink"), (shutil, "rmtree"),
-                     (torch, "save"), (helpers.checkpoint, "save_file")]
+                     (torch, "save"), (helpers.checkpoint.writing, "save_file")]
 """Everything a save does to the disk: a kill lands before any one of these calls."""
 
 
@@ -226,7 +226,7 @@ def windows_rules(monkeypatch) -> None:
             raise FileExistsError(errno.EEXIST, "Cannot create a file when that file already exists", str(target))
         return real_rename(source, target, *args, **kwargs)
 
-    monkeypatch.setattr(helpers.atomic, "SYNC_FOLDERS", False, raising=False)  # what os.name == "nt" sets
+    monkeypatch.setattr(helpers.checkpoint.atomic, "SYNC_FOLDERS", False, raising=False)  # what os.name == "nt" sets
     monkeypatch.setattr(shutil, "_use_fd_functions", False)  # rmtree's way on Windows: no os.open of folders
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "fsync", fsync)

@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from helpers.checkpoint import (MODEL_FILE, STATE_FILE, CheckpointError, Checkpoints, Progress, epoch_start_state,
                                 full_weights, load_checkpoint, rng_state, save_checkpoint, set_rng_state,
                                 state_dicts_equal)
-from helpers.checkpoint_files import SHARDED_DIR, read_shard_metadata, saved_tensors
+from helpers.checkpoint.files import SHARDED_DIR
+from helpers.checkpoint.shard_metadata import read_shard_metadata, saved_tensors
 from helpers.wrapping import unwrap
 
 
@@ -597,7 +598,7 @@ def test_a_checkpoint_saved_on_windows_reads_on_linux(sharded_saved, tmp_path):
 
 def test_a_shard_dcp_cannot_read_is_one_checkpoint_error_and_changes_nothing(sharded_saved):
     """DCP's failures are CheckpointException, a BaseException that `except Exception` misses; the model and the
-    optimizer take nothing from a load that failed halfway."""
+    optimizer take nothing from a load that failed halfway. The message is the reader's, naming the chunk."""
     data = sharded_saved / SHARDED_DIR / "__0_0.distcp"
     metadata = read_shard_metadata(sharded_saved / SHARDED_DIR)
     last = max(metadata.storage_data.values(), key=lambda place: place.offset)  # read after the others
@@ -605,9 +606,9 @@ def test_a_shard_dcp_cannot_read_is_one_checkpoint_error_and_changes_nothing(sha
     damaged[last.offset:last.offset + 4] = b"\0\0\0\0"  # the zip header of torch.save's bytes for that entry
     data.write_bytes(bytes(damaged))
     model, optimizer, scheduler = trained(seed=1, sharded=True)
-    error = refused(sharded_saved, rf"^{sharded_saved / SHARDED_DIR}: torch.distributed.checkpoint could not read it "
-                                   r"\(rank 0: UnpicklingError: Weights only load failed", model, optimizer, scheduler)
-    assert type(error.__cause__).__name__ == "CheckpointException"
+    error = refused(sharded_saved, rf"^{data}: the chunk of [\w.]+ at \(\d+,\): not a readable torch.save tensor, it "
+                                   r"may be damaged \(Unsupported operand 0\)$", model, optimizer, scheduler)
+    assert type(error.__cause__).__name__ == "CheckpointException"  # DCP's, holding the reader's error
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -753,8 +754,10 @@ SCALER = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_
 """A GradScaler's state after a few skipped steps and 3 good ones, with factors of its own: no default in it."""
 
 
-def scaler(state=None):
-    scaler = torch.amp.GradScaler("cpu")
+def scaler(state=None, **settings):
+    """A GradScaler with SCALER's settings (or ``settings``), a new one's scale, or ``state``."""
+    scaler = torch.amp.GradScaler("cpu", **({"growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7}
+                                            | settings))
     if state is not None:
         scaler.load_state_dict(state)
     return scaler
@@ -775,6 +778,13 @@ def test_a_gradient_scalers_state_round_trips(saved_with_scaler):
     assert fresh.state_dict() == SCALER and state["progress"]["skipped_steps"] == 1
     scaled = fresh.scale(torch.ones(()))  # the scale it goes on with is the saved one, not a new scaler's 65536
     assert scaled.item() == SCALER["scale"]
+
+
+def test_a_scaler_with_other_settings_is_refused_naming_the_setting(saved_with_scaler):
+    """A checkpoint another run wrote: its scale and count would go on under other growth rules."""
+    refused(saved_with_scaler, rf"^{saved_with_scaler / STATE_FILE}: the gradient scaler's state differs from this "
+            r"GradScaler's: 'growth_interval' saved as 7, it has 2000$", *trained(seed=1),
+            scaler=scaler(growth_interval=2000))
 
 
 def test_resuming_without_the_scaler_a_checkpoint_was_saved_with_is_refused(saved_with_scaler):
@@ -816,3 +826,52 @@ def test_a_damaged_scaler_part_is_refused_before_loading(saved_with_scaler, chan
     file = with_state(saved_with_scaler, change)
     refused(saved_with_scaler, rf"^{file}: not a checkpoint's state as save_checkpoint writes it: {problem}",
             *trained(seed=1), scaler=scaler())
+
+
+# --- all or nothing: a failure while loading puts everything back; opening touches nothing ----------------------
+
+def test_a_failure_while_loading_puts_back_everything_already_loaded(saved):
+    """The model and the optimizer are loaded when the optimizer's load hook raises: both go back, bit for bit."""
+    model, optimizer, scheduler = trained(seed=1)
+
+    def failing(optimizer):
+        raise RuntimeError("a load hook failed")
+
+    optimizer.register_load_state_dict_post_hook(failing)
+    error = refused(saved, rf"^{saved}: not loaded, and everything is as it was \(RuntimeError: a load hook "
+                           r"failed\)$", model, optimizer, scheduler)
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+def test_a_resume_that_fails_while_loading_puts_back_the_random_state_too(tmp_path):
+    path, loader = saved_run(tmp_path)
+    model, optimizer, scheduler = trained(seed=1)
+    model.norm.register_load_state_dict_post_hook(lambda module, keys: 1 / 0)  # after the weights were copied
+    torch.manual_seed(5)
+    random_state = torch.get_rng_state()
+    refused(tmp_path, rf"^{path}: not loaded, and everything is as it was \(ZeroDivisionError: division by zero\)$",
+            model, optimizer, scheduler, resume_with=loader)
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+def test_opening_fires_no_hook_and_makes_no_state_on_an_optimizer_that_has_not_stepped(saved):
+    """The old way learnt the state's shapes with a step of learning rate 0 on the caller's optimizer."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from helpers.checkpoint import open_checkpoint
+
+    model, optimizer, scheduler = trained(seed=1)
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fired = []
+    handles = [register_optimizer_step_pre_hook(lambda *args: fired.append("global step")),
+               fresh.register_step_pre_hook(lambda *args: fired.append("step")),
+               fresh.register_state_dict_pre_hook(lambda *args: fired.append("state_dict"))]
+    try:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1 / (1 + step))
+        open_checkpoint(saved, model, fresh, scheduler)
+        assert len(fresh.state) == 0 and all(p.grad is None for p in model.parameters())
+        load_checkpoint(saved, model, fresh, scheduler)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert fired == [] and len(fresh.state) == 4

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from helpers import distributed, fsdp
 from helpers.checkpoint import (STATE_FILE, CheckpointError, Checkpoints, full_weights, load_checkpoint, read_state,
                                 state_dicts_equal)
-from helpers.checkpoint_files import SHARDED_DIR
+from helpers.checkpoint import SHARDED_DIR
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
 from helpers.finetune import main, parse_args
 from helpers.launch import last_json

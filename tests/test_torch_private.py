@@ -2,6 +2,7 @@
 stays silent on the tested one, a missing surface or changed signature fails in one line naming the torch the
 series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) are this torch's."""
 
+import io
 import json
 import subprocess
 import sys
@@ -148,3 +149,77 @@ def test_a_memory_snapshot_is_recorded_written_and_stopped(monkeypatch, tmp_path
     with pytest.raises(TorchSurfaceMissing, match=r"needs torch 2\.13 .* has no torch\.cuda\.memory\._dump_snapshot$"):
         with torch_private.recording_memory_history("snapshot.pickle"):
             pass
+
+
+# --- the checkpoints' surfaces ------------------------------------------------------------------------------------
+
+def test_a_step_without_hooks_steps_and_runs_no_hook():
+    """How a checkpoint learns the state an optimizer keeps, without touching the caller's optimizer or hooks."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight], lr=0.5)
+    fired = []
+    handles = [register_optimizer_step_pre_hook(lambda *args: fired.append("global")),
+               optimizer.register_step_post_hook(lambda *args: fired.append("own"))]
+    try:
+        weight.grad = torch.ones(3)
+        torch_private.step_without_hooks(optimizer)
+    finally:
+        for handle in handles:
+            handle.remove()
+    reference = torch.nn.Parameter(torch.ones(3))
+    reference.grad = torch.ones(3)
+    torch.optim.Adam([reference], lr=0.5).step()
+    assert fired == [] and torch.equal(weight.detach(), reference.detach()) and weight[0] < 0.51  # it stepped
+    assert sorted(optimizer.state[weight]) == ["exp_avg", "exp_avg_sq", "step"]
+
+    class Unwrapped:
+        def step(self):
+            pass
+    with pytest.raises(TorchSurfaceMissing, match=r"has no Unwrapped\.step\.__wrapped__ \(the step inside the "
+                                                  r"wrapper that runs its hooks\)$"):
+        torch_private.step_without_hooks(Unwrapped())
+
+
+def test_the_unpickler_asks_before_it_changes_an_object_and_tells_what_it_made():
+    import pickle
+
+    class Watching(torch_private.HookedUnpickler):
+        def __init__(self, data):
+            super().__init__(io.BytesIO(data))
+            self.seen = []
+
+        def made(self, obj):
+            self.seen.append(("made", type(obj).__name__))
+
+        def building(self, target, state):
+            self.seen.append(("building", type(target).__name__, state))
+
+        def adding_items(self, target):
+            self.seen.append(("adding", type(target).__name__))
+
+    data = pickle.dumps([torch.Size([2, 3]), {"a": 1}], protocol=4)
+    watching = Watching(data)
+    assert watching.load() == [torch.Size([2, 3]), {"a": 1}]
+    assert ("made", "Size") in watching.seen and ("adding", "list") in watching.seen and ("adding", "dict") in \
+        watching.seen
+    refusing = type("Refusing", (torch_private.HookedUnpickler,), {"building": lambda self, target, state: 1 / 0})
+    with pytest.raises(ZeroDivisionError):  # BUILD asks first: nothing is set
+        refusing(io.BytesIO(b"\x80\x04cpathlib\nPurePath\nN}\x8c\x01xNs\x86b.")).load()
+    import pathlib
+    assert "x" not in vars(pathlib.PurePath)
+
+
+def test_the_checkpoints_private_names_are_this_torchs():
+    """DCP's metadata pickles these names, and the checkpoints read the scaler's and a schedule's state by them."""
+    found = torch_private.dcp_private_globals()
+    assert [f"{module}.{name}" for module, name in found] == [
+        "torch.distributed.checkpoint.filesystem._StorageInfo", "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.serialization._get_layout"]
+    assert found[("torch.serialization", "_get_layout")]("torch.strided") is torch.strided
+    assert torch_private.dcp_chunk_place()("__0_0.distcp", 0, 10).length == 10
+    assert set(torch.amp.GradScaler("cpu").state_dict()) == set(torch_private.grad_scaler_state())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
+    assert set(torch_private.schedule_position()) <= set(scheduler.state_dict())
+    assert set(torch_private.GRAD_SCALER_POSITION) < set(torch_private.GRAD_SCALER_STATE)

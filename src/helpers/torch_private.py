@@ -1,7 +1,9 @@
 """Every private PyTorch surface the package rests on, in one place: the memory predictor's (fake tensors, the
 trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``) and the
-memory snapshot of notebook 05's appendix (``recording_memory_history``). Nothing else in ``src/`` touches a private
-name of torch (tests/test_layout.py).
+memory snapshot of notebook 05's appendix (``recording_memory_history``), and the checkpoints' (the private names in
+DCP's pickled metadata, CPython's pure-Python unpickler that reads it, an optimizer's step without its hooks, the
+state keys torch names privately). Nothing else in ``src/`` touches a private name of torch or of CPython's pickle
+(tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
@@ -14,9 +16,12 @@ torch") says what to re-read in PyTorch's source and which test pins which fact.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import pickle
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -76,6 +81,145 @@ def positional_operator(name: str, positional: tuple[str, ...]):
 warning = untested(torch.__version__)
 if warning:
     warnings.warn(warning, UntestedTorchWarning, stacklevel=2)
+
+# --- checkpoints: DCP's pickled metadata, the unpickler that reads it, state keys torch names privately -------------
+# Checked when first used (importing torch.distributed.checkpoint costs time the memory predictor does not need),
+# except the unpickler, which is CPython's and checked on import.
+
+DCP_PRIVATE_GLOBALS = (("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                       ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                       ("torch.serialization", "_get_layout"))
+"""The private names a pickle of DCP's ``.metadata`` refers to (torch/distributed/checkpoint/metadata.py,
+filesystem.py; torch/serialization.py): where a chunk's bytes lie in a data file, a tensor's memory format, and the
+function that looks a ``torch.layout`` up by its name."""
+
+
+@functools.cache
+def dcp_private_globals() -> dict[tuple[str, str], object]:
+    """The objects of ``DCP_PRIVATE_GLOBALS`` by (module, name), as ``find_class`` is asked for them; the place of a
+    chunk checked to have the fields the checkpoint code reads."""
+    found = {(module, name): attribute(module, name) for module, name in DCP_PRIVATE_GLOBALS}
+    fields = {field.name for field in dataclasses.fields(found[DCP_PRIVATE_GLOBALS[0]])}
+    if not {"relative_path", "offset", "length", "transform_descriptors"} <= fields:
+        raise missing(f"{'.'.join(DCP_PRIVATE_GLOBALS[0])}(relative_path, offset, length, transform_descriptors); "
+                      f"it has ({', '.join(sorted(fields))})")
+    return found
+
+
+def dcp_chunk_place() -> type:
+    """DCP's class for where one chunk's bytes lie: ``relative_path`` (a data file), ``offset``, ``length``."""
+    return dcp_private_globals()[DCP_PRIVATE_GLOBALS[0]]
+
+
+def _pure_python_unpickler() -> type:
+    """CPython's pure-Python unpickler, checked to read each opcode through its ``dispatch`` table."""
+    unpickler = getattr(pickle, "_Unpickler", None)
+    table = getattr(unpickler, "dispatch", None)
+    opcodes = (pickle.BUILD, pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS, pickle.ADDITEMS,
+               pickle.BYTEARRAY8, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.REDUCE, pickle.OBJ, pickle.INST)
+    if not isinstance(table, dict) or not all(opcode[0] in table for opcode in opcodes):
+        raise TorchSurfaceMissing(f"helpers needs CPython's pure-Python unpickler (pickle._Unpickler, with a dispatch "
+                                  f"table by opcode); Python {sys.version.split()[0]} has none")
+    return unpickler
+
+
+_Unpickler = _pure_python_unpickler()
+
+
+class HookedUnpickler(_Unpickler):
+    """CPython's pure-Python unpickler (``pickle._Unpickler``), which calls a method of its own before each opcode
+    that changes an object and after each one that makes an object, so that a subclass can refuse them. The C
+    unpickler (``pickle.Unpickler``) offers only ``find_class``; a subclass overrides that one as documented, and:
+
+    - ``made(obj)``: NEWOBJ, NEWOBJ_EX, REDUCE, OBJ or INST made ``obj``;
+    - ``building(target, state)``: BUILD is about to set ``state`` on ``target``;
+    - ``adding_items(target)``: APPEND(S), SETITEM(S) or ADDITEMS are about to add items to ``target``;
+    - ``making_bytearray()``: BYTEARRAY8 is about to allocate a bytearray of the size it read.
+    """
+
+    dispatch = dict(_Unpickler.dispatch)
+
+    def made(self, obj) -> None:
+        pass
+
+    def building(self, target, state) -> None:
+        pass
+
+    def adding_items(self, target) -> None:
+        pass
+
+    def making_bytearray(self) -> None:
+        pass
+
+
+def _after_making(load):
+    def load_then_tell(unpickler: HookedUnpickler) -> None:
+        load(unpickler)
+        unpickler.made(unpickler.stack[-1])
+    return load_then_tell
+
+
+def _before_changing(load, tell):
+    def tell_then_load(unpickler: HookedUnpickler) -> None:
+        tell(unpickler)
+        load(unpickler)
+    return tell_then_load
+
+
+for _opcode in (pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.REDUCE, pickle.OBJ, pickle.INST):
+    HookedUnpickler.dispatch[_opcode[0]] = _after_making(_Unpickler.dispatch[_opcode[0]])
+for _opcode, _tell in (
+        (pickle.BUILD, lambda u: u.building(u.stack[-2], u.stack[-1])),
+        (pickle.APPEND, lambda u: u.adding_items(u.stack[-2])),
+        (pickle.SETITEM, lambda u: u.adding_items(u.stack[-3])),
+        (pickle.APPENDS, lambda u: u.adding_items(u.metastack[-1][-1])),  # the object below the MARK
+        (pickle.SETITEMS, lambda u: u.adding_items(u.metastack[-1][-1])),
+        (pickle.ADDITEMS, lambda u: u.adding_items(u.metastack[-1][-1])),
+        (pickle.BYTEARRAY8, lambda u: u.making_bytearray())):
+    HookedUnpickler.dispatch[_opcode[0]] = _before_changing(_Unpickler.dispatch[_opcode[0]], _tell)
+
+
+def step_without_hooks(optimizer) -> None:
+    """``optimizer.step()`` without any step hook, the optimizer's own or the global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``): torch wraps each optimizer class's ``step`` once in
+    ``Optimizer.profile_hook_step`` (torch/optim/optimizer.py), which runs the hooks around the original and keeps
+    it, through functools.wraps, as ``__wrapped__``."""
+    step = type(optimizer).step
+    original = getattr(step, "__wrapped__", None)
+    if not getattr(step, "hooked", False) or original is None:
+        raise missing(f"{type(optimizer).__name__}.step.__wrapped__ (the step inside the wrapper that runs its hooks)")
+    original(optimizer)
+
+
+GRAD_SCALER_STATE = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+                     "_growth_tracker": int}
+"""``torch.amp.GradScaler.state_dict()``: each entry and its type; ``_growth_tracker``, the steps since the scale last
+grew or shrank, is a private name (torch/amp/grad_scaler.py)."""
+GRAD_SCALER_POSITION = ("scale", "_growth_tracker")
+"""The entries of ``GRAD_SCALER_STATE`` that change as training goes; the others are the scaler's settings."""
+SCHEDULE_POSITION = ("last_epoch", "_step_count", "_last_lr", "_is_initial", "_get_lr_called_within_step")
+"""The entries of an ``LRScheduler``'s state_dict that say where the schedule stands and change as it steps; the others
+describe the schedule. All but ``last_epoch`` are private names (torch/optim/lr_scheduler.py)."""
+
+
+@functools.cache
+def grad_scaler_state() -> dict[str, type]:
+    """``GRAD_SCALER_STATE``, checked against this torch's GradScaler."""
+    keys = set(torch.amp.GradScaler("cpu").state_dict())
+    if keys != set(GRAD_SCALER_STATE):
+        raise missing(f"GradScaler.state_dict() entries {sorted(GRAD_SCALER_STATE)}; it has {sorted(keys)}")
+    return GRAD_SCALER_STATE
+
+
+@functools.cache
+def schedule_position() -> tuple[str, ...]:
+    """``SCHEDULE_POSITION``, checked against the state of this torch's LambdaLR."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    keys = set(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict())
+    if not set(SCHEDULE_POSITION) <= keys:
+        raise missing(f"LRScheduler.state_dict() entries {sorted(SCHEDULE_POSITION)}; it has {sorted(keys)}")
+    return SCHEDULE_POSITION
+
 
 # --- fake tensors and dispatch: checked on import -----------------------------------------------------------------
 

@@ -5,8 +5,8 @@ Everything is written under a temporary name (``.tmp-...``) beside its final pla
 folder's own entry is flushed too, so that the rename survives a power cut. A kill leaves at most a ``.tmp-...``
 entry behind, which ``remove_temporaries`` clears before the next write.
 
-Several processes writing one folder together agree on the outcome (``same_outcome``): if one fails, all raise
-at once, instead of the others waiting for it at the next collective until the process group's timeout.
+Several processes writing one folder together agree on the outcome (helpers.checkpoint.together): if one fails, all
+raise at once, instead of the others waiting for it at the next collective until the process group's timeout.
 
 Windows (reasoned from Python's documentation, not run here): a folder cannot be opened as a file there
 (``os.open`` raises PermissionError), so its entry is not flushed (``SYNC_FOLDERS``; other projects do the same,
@@ -26,15 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
 
-from helpers.distributed import agree_on_problem, rank, with_others
+from helpers.checkpoint.together import FAILURES, fail_together
+from helpers.distributed import rank, with_others
 
 TEMPORARY_PREFIX = ".tmp-"
 SYNC_FOLDERS = os.name != "nt"
 """Whether a folder's entry can be flushed: opening a folder (``os.open``) raises PermissionError on Windows."""
-FAILURES = (Exception, CheckpointException)
-"""What a write can raise; torch.distributed.checkpoint's CheckpointException is a BaseException."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -64,34 +62,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def summary(error: BaseException) -> str:
-    """One line for ``error``: its type and message (for DCP's CheckpointException, the first failed rank's)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        where, (error, _) = min(error.failures.items())
-        return f"rank {where}: {summary(error)}"
-    if isinstance(error, OtherProcessFailed):  # its message names the process, the type and the cause
-        return str(error)
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-
-
-class OtherProcessFailed(RuntimeError):
-    """Raised on every process of a collective write where another process's part of it failed."""
-
-
-def same_outcome(error: BaseException | None) -> None:
-    """Once every process has tried its part of a write, make them agree: if any failed, each raises at once,
-    the failed ones their own error, the others OtherProcessFailed naming the first that failed and why.
-
-    A collective: call it on every process. Without it the processes that succeeded would wait for a failed one
-    at their next collective, until the process group's timeout (30 minutes by default).
-    """
-    problem = agree_on_problem(None if error is None else summary(error))
-    if error is not None:
-        raise error
-    if problem is not None:
-        raise OtherProcessFailed(problem)
-
-
 @contextmanager
 def atomic_folder(path: Path, every_process: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``path``; when the block ends, it becomes ``path``. Whoever writes a
@@ -99,7 +69,7 @@ def atomic_folder(path: Path, every_process: bool = False) -> Iterator[Path]:
 
     ``every_process``: all processes of the group write into the same folder (a collective: call it on every
     process); rank 0 renames it once all have finished. Otherwise only the caller writes. If the block raises on
-    any process, every process raises (``same_outcome``), nothing is renamed and the temporary folder stays for
+    any process, every process raises (``fail_together``), nothing is renamed and the temporary folder stays for
     ``remove_temporaries``. An existing ``path`` is replaced (``replace_folder``), with a moment in which a kill
     leaves no folder there: a folder that must always exist goes under a new name, as helpers.checkpoint's do.
     """
@@ -114,7 +84,7 @@ def atomic_folder(path: Path, every_process: bool = False) -> Iterator[Path]:
     except FAILURES as raised:
         error = raised
     if shared:
-        same_outcome(error)  # every process has written and flushed its files, or all raise
+        fail_together(error)  # every process has written and flushed its files, or all raise
     elif error is not None:
         raise error
     error = None
@@ -124,7 +94,7 @@ def atomic_folder(path: Path, every_process: bool = False) -> Iterator[Path]:
         except FAILURES as raised:
             error = raised
     if shared:
-        same_outcome(error)  # no process goes on before ``path`` exists
+        fail_together(error)  # no process goes on before ``path`` exists
     elif error is not None:
         raise error
 
