@@ -1,8 +1,10 @@
 """Trace the memory of one fine-tuning step, on fake tensors or real ones.
 
 Under ``FakeTensorMode`` tensors have shapes but no data, so a BERT-base step is traced on a laptop in a second
-or two without allocating its gigabytes. Two ways to count, both resting on private PyTorch code
-(helpers.torch_private):
+or two without allocating its gigabytes; tensors on PyTorch's ``meta`` device have shapes too, run the same ATen
+operators (FakeTensorMode computes its shapes with their meta kernels) and cost several times less, so a step
+replayed into a simulated GPU runs on ``meta`` (tests compare the two event by event). Two ways to count, both
+resting on private PyTorch code (helpers.torch_private):
 
 - PyTorch's own tracker, ``MemTracker`` (helpers.memory.tracker): it files every tensor under parameters,
   gradients, optimizer state, activations or temporaries and reports the peak of the bytes tensors ask for. It
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +34,10 @@ from helpers.memory.tracker import tracking
 from helpers.net import Net
 
 ATTENTION_KERNELS = ("sdpa", "eager")
+OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+"""How Adam runs its update, as the arguments of its construction: foreach (torch's default on CUDA since 2.0: a
+few kernels over lists of tensors, with parameter-sized temporaries), fused (one kernel, no temporaries, its step
+counts on the GPU) or for-loop (one tensor at a time, torch 1.x's only implementation)."""
 
 
 class NetFromConfig(Net):
@@ -44,6 +50,35 @@ class NetFromConfig(Net):
         self.bert = BertModel(config)
         self.linear = nn.Linear(config.hidden_size, num_labels)
 
+    @property
+    def encoder(self) -> nn.Module:
+        return self.bert
+
+
+class ClassifierFromConfig(nn.Module):
+    """transformers' sequence-classification model of any other encoder, randomly initialised from its config
+    (``AutoModelForSequenceClassification.from_config``, its ``num_labels``); ``forward`` returns the logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification
+
+        self.encoder = AutoModelForSequenceClassification.from_config(config)
+        # the check reads two token ids on the host (.item()), which meta tensors have not; the same tensors without it
+        self.encoder.warn_if_padding_and_no_attention_mask = _padding_check_without_reading(config.pad_token_id)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _padding_check_without_reading(pad_token_id):
+    """transformers' ``warn_if_padding_and_no_attention_mask``, which a model without a mask calls on its ids: the
+    same comparison on the GPU, without reading its answer (a warning), so that meta tensors trace it."""
+    def check(input_ids, attention_mask):
+        if attention_mask is None and pad_token_id is not None:
+            (input_ids[:, [-1, 0]] == pad_token_id).any()
+    return check
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -54,6 +89,9 @@ class StepMemory:
     optimizer_peak: dict[str, int]  # the highest point of optimizer.step()
     requested_peak: int | None = None  # on a simulated GPU: the highest requested bytes of the step, which
     #                                     memory_stats()["requested_bytes.all.peak"] reports
+    reserved_peak: int | None = None  # on a simulated GPU: the segments reserved by the end of the step, its peak
+    #                                   (memory_stats()["reserved_bytes.all.peak"]: nothing empties the cache)
+    log: list | None = field(default=None, compare=False, repr=False)  # the simulated GPU's events
 
     @property
     def peak(self) -> dict[str, int]:
@@ -63,7 +101,8 @@ class StepMemory:
 def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
                cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
                seed: int = 0, device: SimulatedGpu | None = None,
-               gpu: GpuModel = GPUS["H200"]) -> StepMemory:
+               gpu: GpuModel = GPUS["H200"], optimizer_impl: str = "foreach",
+               set_to_none: bool = True) -> StepMemory:
     """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
@@ -79,11 +118,17 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
+
+    ``optimizer_impl`` (one of ``OPTIMIZER_IMPLS``) says how Adam is built; ``set_to_none`` is what
+    ``optimizer.zero_grad`` is called with: True frees the gradients (torch 2.x's default), False zeroes them in place
+    and keeps them through the next step's forward and backward (torch 1.x's default).
     """
     if batch_size % accumulation:
         raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r}: expected one of {', '.join(OPTIMIZER_IMPLS)}")
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
     generator = torch.Generator().manual_seed(seed)
     kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, gpu)
     scaler = torch.amp.GradScaler("cpu") if amp_dtype == torch.float16 else None  # fake tensors live on the CPU
@@ -91,8 +136,8 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     def batch(size, length):
         with watch.phase("batch"):
-            return (torch.randint(0, vocab_size, (size, length), generator=generator),
-                    torch.randint(0, 2, (size,), generator=generator))
+            return (_random_ids(vocab_size, (size, length), generator, model),
+                    _random_ids(2, (size,), generator, model))
 
     def forward_backward(input_ids, labels, record=False):
         with watch.phase("activations"), kernels:
@@ -110,7 +155,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
                 scaler.unscale_(optimizer)
         with watch.phase("optimizer"):
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
         if scaler:
             with watch.phase("scaler"):
                 scaler.update()
@@ -128,7 +173,18 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     backward_peak = watch.peak
     with watch.step():
         optimizer_step()
-    return StepMemory(after_forward, backward_peak, watch.peak, device.allocator.peak_requested if device else None)
+    if device is None:
+        return StepMemory(after_forward, backward_peak, watch.peak)
+    return StepMemory(after_forward, backward_peak, watch.peak, device.allocator.peak_requested,
+                      device.allocator.reserved, list(device.log))
+
+
+def _random_ids(high: int, shape: tuple[int, ...], generator: torch.Generator, model: nn.Module) -> torch.Tensor:
+    """Random ids below ``high`` on the device of ``model``'s weights; on ``meta``, where there are no values, a tensor
+    of the same shape and dtype."""
+    if next(model.parameters()).device.type == "meta":
+        return torch.empty(shape, dtype=torch.long, device="meta")
+    return torch.randint(0, high, shape, generator=generator)
 
 
 class _TrackerWatch:
@@ -177,7 +233,7 @@ class _DeviceWatch:
             device.phase, device.backward = before
 
     def now(self) -> dict[str, int]:
-        return self.device.now()
+        return self.device.read("after_forward")
 
     def next_micro_batch(self) -> None:
         pass
@@ -185,19 +241,27 @@ class _DeviceWatch:
     @contextlib.contextmanager
     def step(self):
         if self.peak is None:
-            self.device.allocator.reset_peaks()
+            self.device.reset_peaks()
             gc.collect()  # garbage freed in mid-step would free blocks at an arbitrary point
         self.device.watch()
+        enabled = gc.isenabled()
         gc.disable()
         try:
             yield
         finally:
-            gc.enable()
-        self.peak = self.device.peak
+            if enabled:
+                gc.enable()
+        self.peak = self.device.keep_peak("optimizer_peak" if "backward_peak" in self.device.readings
+                                          else "backward_peak")
 
 
-def build_model(config, attention: str = "sdpa", checkpointing: bool = False, device: str = "meta") -> NetFromConfig:
-    """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
+def build_model(config, attention: str = "sdpa", checkpointing: bool = False, device: str = "meta",
+                num_labels: int | None = None) -> nn.Module:
+    """The model of ``config`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
+
+    A BERT config gives ``NetFromConfig`` (the project's ``Net``, which helpers.finetune trains: BERT with its pooler
+    and a linear head on [CLS], ``num_labels`` outputs, default 2); any other encoder gives ``ClassifierFromConfig``
+    (transformers' own head, the config's ``num_labels`` unless ``num_labels`` is given).
 
     ``attention="sdpa"`` (transformers' default) calls ``scaled_dot_product_attention``, traced as the kernel
     the GPU picks (``helpers.memory.gpu_facts.sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T)
@@ -207,15 +271,17 @@ def build_model(config, attention: str = "sdpa", checkpointing: bool = False, de
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
-    config = config.__class__(**(config.to_dict() | {"attn_implementation": attention}))
+    settings = {"attn_implementation": attention} | ({"num_labels": num_labels} if num_labels else {})
+    config = config.__class__(**(config.to_dict() | settings))
     with torch.device(device):
-        model = NetFromConfig(config)
+        model = (NetFromConfig(config, num_labels or 2) if config.model_type == "bert"
+                 else ClassifierFromConfig(config))
     if checkpointing:
         def contexts():  # called at each checkpointed layer's forward; the second runs its recomputation
             return contextlib.nullcontext(), _recomputation(CudaLikeKernels.for_recomputation(),
                                                             SimulatedGpu.replaying[-1:])
 
-        model.bert.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
+        model.encoder.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
     return model
 
 
@@ -229,15 +295,45 @@ def _recomputation(kernels, devices):
 
 def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa", checkpointing: bool = False,
                cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None, gpu: GpuModel | None = None,
-               environ: dict[str, str] | None = None, **options) -> StepMemory:
-    """``trace_step`` on fake tensors: the model is built on ``meta`` (no memory) and given fake storage
-    with ``to_empty`` inside ``FakeTensorMode``. With a ``gpu``, attention is traced as the kernel that GPU picks
-    and the step is replayed into its simulated allocator (``SimulatedGpu``, workspaces from ``environ``)."""
-    model = build_model(config, attention, checkpointing)
-    device = SimulatedGpu(gpu, environ) if gpu else None
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with device.replay() if device else contextlib.nullcontext():  # the weights
-            model.to_empty(device="cpu")
-        return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size, cuda_dropout=cuda_dropout,
-                          fused_attention=attention == "sdpa", amp_dtype=amp_dtype, device=device,
-                          gpu=gpu or GPUS["H200"], **options)
+               environ: dict[str, str] | None = None, num_labels: int | None = None,
+               optimizer_impl: str = "foreach", **options) -> StepMemory:
+    """``trace_step`` without real memory: the model is built on ``meta`` and given storage there.
+
+    With a ``gpu``, attention is traced as the kernel that GPU picks and the step is replayed into its simulated
+    allocator (``SimulatedGpu``, workspaces from ``environ``), on meta tensors; fused Adam, which refuses them, and
+    PyTorch's MemTracker (no ``gpu``) run on fake ones (``FakeTensorMode``, the storage fake CPU tensors). The
+    garbage collector is paused for the whole trace, so that what it frees, and when, does not depend on what the
+    process did before; objects older than the trace are left out of its collections (``gc.freeze``), which keeps
+    them cheap."""
+    model = build_model(config, attention, checkpointing, num_labels=num_labels)
+    step = dict(vocab_size=config.vocab_size, cuda_dropout=cuda_dropout, fused_attention=attention == "sdpa",
+                amp_dtype=amp_dtype, gpu=gpu or GPUS["H200"], optimizer_impl=optimizer_impl, **options)
+    with _collector_paused():
+        if gpu and optimizer_impl != "fused":
+            device = SimulatedGpu(gpu, environ)
+            with device.replay():  # the weights
+                model.to_empty(device="meta")
+            return trace_step(model, batch_size, seq_len, device=device, **step)
+        device = SimulatedGpu(gpu, environ, step_counts_on_gpu=optimizer_impl == "fused") if gpu else None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with device.replay() if device else contextlib.nullcontext():  # the weights
+                model.to_empty(device="cpu")
+            return trace_step(model, batch_size, seq_len, device=device, **step)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic collection inside; objects made before are frozen (left out of collections) unless something
+    froze objects already."""
+    freeze = gc.get_freeze_count() == 0
+    enabled = gc.isenabled()
+    if freeze:
+        gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        if freeze:
+            gc.unfreeze()
