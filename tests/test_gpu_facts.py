@@ -119,7 +119,7 @@ def test_a_gpu_without_native_bf16_mixes_in_fp16_and_refuses_bf16_naming_fp16():
                                 "for fp32")
     assert [amp_precision(t4, amp) for amp in (None, False, True, "fp16")] == ["fp32", "fp32", "fp16", "fp16"]
     assert [amp_precision(h200, amp) for amp in (True, "bf16", "fp16")] == ["bf16", "bf16", "fp16"]
-    with pytest.raises(ValueError, match=r"^--amp bf16: V100 \(sm70\) has no native bf16.*use --amp fp16"):
+    with pytest.raises(ValueError, match=r"^--amp bf16: V100-16GB \(sm70\) has no native bf16.*use --amp fp16"):
         amp_precision(v100, "bf16")
     with pytest.raises(ValueError, match="amp='fp8'"):
         amp_precision(h200, "fp8")

@@ -34,7 +34,10 @@ EXPORTS = {
     "fsdp2_table": ("load_table",),
     "gpu_facts": ("GIB", "GPUS", "PRECISIONS", "GpuModel", "amp_precision", "attention_kernel", "mixed_precision",
                   "sdpa_kernel", "workspaces"),
-    "prediction": ("FITS", "default_gpu", "largest_batch", "per_device", "predict_cpu_step", "predict_step"),
+    "prediction": ("GpuMemory", "default_gpu", "gpu_memory", "largest_batch", "per_device", "predict_cpu_step",
+                   "predict_step"),
+    "command": ("MEMO_ARGS", "MEMO_NVIDIA_SMI_MIB", "memo_prediction"),
+    "nvidia_smi": ("cuda_context", "communication"),
     "record": ("h200_steps",),
     "tracer": ("trace_fake",),
     "helpers.torch_private": ("recording_memory_history",),  # every private PyTorch surface of the package

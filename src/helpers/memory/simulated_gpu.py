@@ -43,7 +43,8 @@ FILED_AS = {"scaler": "optimizer"}
 
 Event = tuple
 """One change to the device: ("malloc", key, bytes, category), ("free", key), ("file", key, category),
-("reduce", rows, columns), ("reset_peaks",), ("watch",), ("read", label) or ("peak", label)."""
+("reduce", rows, columns), ("reset_peaks",), ("watch",), ("read", label), ("peak", label), or ("phase", name,
+backward), which only marks where the step is (``enter``)."""
 
 
 class SimulatedGpu:
@@ -103,6 +104,11 @@ class SimulatedGpu:
             yield
         finally:
             self.phase = phase
+
+    def enter(self, phase: str, backward: bool = False) -> None:
+        """From now on, new tensors are ``phase``'s (see the class), made by autograd's thread if ``backward``."""
+        self.phase, self.backward = phase, backward
+        self.apply(("phase", phase, backward))
 
     def gradient(self, tensor: torch.Tensor) -> None:
         """``tensor`` became a parameter's ``.grad``: file its bytes under gradients."""
@@ -188,14 +194,14 @@ class SimulatedGpu:
             self.readings[event[1]] = self.now()
         elif kind == "peak":
             self.readings[event[1]] = dict(self.peak)
-        else:
+        elif kind != "phase":
             raise ValueError(f"unknown event {event!r}")
 
     def _allocate(self, key, size: int, category: str) -> None:
         if self.allocator.malloc(key, size) is None:
             return
         self._category[key] = category
-        self.held[category] += size
+        self.held[category] = self.held.get(category, 0) + size  # "buckets" only where a log adds DDP's
         if self.peak is not None and self.allocator.allocated > self.peak["total"]:
             self.peak = self.now()
 
@@ -212,9 +218,80 @@ class _Replay(TorchDispatchMode):
         self.device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _MetaOutputs.call(func, args, kwargs or {})
         for tensor in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.device.track(tensor)
         self.device.after(func, args)
         return out
+
+
+class _MetaOutputs:
+    """What an operator returns on meta tensors, remembered by the operator and its arguments' shapes, strides and
+    dtypes, so that the next call with the same ones makes its outputs directly (``torch.empty_strided``) instead of
+    running the operator's meta kernel again, most of which are Python (torch._refs). A step calls the same operators
+    with the same shapes in every encoder layer. Only operators that make new tensors qualify: no argument changed in
+    place, no output a view of an input, every output a meta tensor of the size its shape and strides give (tests
+    compare traces with and without this)."""
+
+    outputs: dict[tuple, tuple] = {}
+    fresh: dict[object, bool] = {}  # operator -> whether its schema makes new tensors only
+
+    @classmethod
+    def call(cls, func, args, kwargs):
+        key = cls._key(func, args, kwargs)
+        if key is not None and key in cls.outputs:
+            made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                    for shape, stride, dtype in cls.outputs[key][1]]
+            return made[0] if cls.outputs[key][0] else tuple(made)
+        out = func(*args, **kwargs)
+        if key is not None:
+            inputs = {id(value.untyped_storage()) for value in tree_leaves((args, kwargs))
+                      if isinstance(value, torch.Tensor)}
+            described = cls._describe(out, inputs)
+            if described is None:  # an output shares an input's storage (``_unsafe_view`` does, unannotated)
+                cls.fresh[func] = False
+            else:
+                cls.outputs[key] = described
+        return out
+
+    @classmethod
+    def _key(cls, func, args, kwargs) -> tuple | None:
+        if func not in cls.fresh:
+            schema = func._schema
+            cls.fresh[func] = not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+        if not cls.fresh[func]:
+            return None
+        try:
+            return func, cls._of(args), cls._of(tuple(sorted(kwargs.items())))
+        except TypeError:  # a tensor off meta, or an argument that is not plain data
+            return None
+
+    @classmethod
+    def _of(cls, value):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta":
+                raise TypeError("not a meta tensor")
+            return (tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+        if isinstance(value, (tuple, list)):
+            return tuple(cls._of(item) for item in value)
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                               torch.memory_format)):
+            return value
+        raise TypeError(f"{type(value).__name__} is not plain data")
+
+    @staticmethod
+    def _describe(out, inputs: set[int]) -> tuple | None:
+        single = isinstance(out, torch.Tensor)
+        outs = (out,) if single else out
+        if not isinstance(outs, tuple) or not all(isinstance(t, torch.Tensor) and t.device.type == "meta"
+                                                  for t in outs):
+            return None
+        described = []
+        for tensor in outs:
+            made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            storage = tensor.untyped_storage()
+            if id(storage) in inputs or tensor.storage_offset() or made.untyped_storage().nbytes() != storage.nbytes():
+                return None
+            described.append((tuple(tensor.shape), tensor.stride(), tensor.dtype))
+        return single, tuple(described)

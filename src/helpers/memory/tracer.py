@@ -61,11 +61,12 @@ class ClassifierFromConfig(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
         self.encoder = AutoModelForSequenceClassification.from_config(config)
-        # the check reads two token ids on the host (.item()), which meta tensors have not; the same tensors without it
-        self.encoder.warn_if_padding_and_no_attention_mask = _padding_check_without_reading(config.pad_token_id)
+        for module in self.encoder.modules():  # the check reads two token ids on the host (.item()), which meta
+            if isinstance(module, PreTrainedModel):  # tensors have not: the same tensors, without reading them
+                module.warn_if_padding_and_no_attention_mask = _padding_check_without_reading(config.pad_token_id)
 
     def forward(self, input_ids, attention_mask=None):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -98,12 +99,20 @@ class StepMemory:
         return max(self.backward_peak, self.optimizer_peak, key=lambda snap: snap["total"])
 
 
-def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
-               cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
-               seed: int = 0, device: SimulatedGpu | None = None,
-               gpu: GpuModel = GPUS["H200"], optimizer_impl: str = "foreach",
-               set_to_none: bool = True) -> StepMemory:
-    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
+def trace_step(model: nn.Module, batch_size: int, seq_len: int, **options) -> StepMemory:
+    """``trace_steps`` with one batch size: one Adam step of ``model`` after a warm-up."""
+    return trace_steps(model, (batch_size,), seq_len, **options)[0]
+
+
+def trace_steps(model: nn.Module, batch_sizes: tuple[int, ...], seq_len: int, *, vocab_size: int,
+                accumulation: int = 1, cuda_dropout: bool = True, fused_attention: bool = False,
+                amp_dtype: torch.dtype | None = None, seed: int = 0, device: SimulatedGpu | None = None,
+                gpu: GpuModel = GPUS["H200"], optimizer_impl: str = "foreach",
+                set_to_none: bool = True) -> list[StepMemory]:
+    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state, for each of
+    ``batch_sizes``: each step after the first starts from what the warm-up left (the step before leaves the model,
+    Adam and the scaler as the warm-up did), so one warm-up serves several batch sizes. On a ``device``, each step's
+    log is the warm-up's events followed by its own, as if it had been traced alone (tests compare the two).
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
     ``batch_size // accumulation`` examples each add their gradients before the single optimizer step.
@@ -123,8 +132,9 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     ``optimizer.zero_grad`` is called with: True frees the gradients (torch 2.x's default), False zeroes them in place
     and keeps them through the next step's forward and backward (torch 1.x's default).
     """
-    if batch_size % accumulation:
-        raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
+    for batch_size in batch_sizes:
+        if batch_size % accumulation:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}: expected one of {', '.join(OPTIMIZER_IMPLS)}")
     model.train()
@@ -164,19 +174,30 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     # a gradient (not the pooler, which Net's loss does not use).
     forward_backward(*batch(1, 8))
     optimizer_step()
-    input_ids, labels = batch(batch_size // accumulation, seq_len)
-    with watch.step():
-        after_forward = forward_backward(input_ids, labels, record=True)
-        for _ in range(accumulation - 1):
-            watch.next_micro_batch()
-            forward_backward(input_ids, labels)
-    backward_peak = watch.peak
-    with watch.step():
-        optimizer_step()
-    if device is None:
-        return StepMemory(after_forward, backward_peak, watch.peak)
-    return StepMemory(after_forward, backward_peak, watch.peak, device.allocator.peak_requested,
-                      device.allocator.reserved, list(device.log))
+    watch.warmed_up()
+    steps = []
+    for batch_size in batch_sizes:
+        watch.restart()
+        input_ids, labels = batch(batch_size // accumulation, seq_len)
+        with watch.step():
+            after_forward = forward_backward(input_ids, labels, record=True)
+            for _ in range(accumulation - 1):
+                watch.next_micro_batch()
+                forward_backward(input_ids, labels)
+        backward_peak = watch.peak
+        with watch.step():
+            optimizer_step()
+        steps.append(watch.result(after_forward, backward_peak))
+        del input_ids, labels
+    return steps
+
+
+def memory_of_log(gpu: GpuModel, log: list) -> StepMemory:
+    """The ``StepMemory`` a simulated GPU's log (``SimulatedGpu.log``) gives when it runs on a fresh ``gpu``."""
+    device = SimulatedGpu.run(gpu, log)
+    readings = device.readings
+    return StepMemory(readings["after_forward"], readings["backward_peak"], readings["optimizer_peak"],
+                      device.allocator.peak_requested, device.allocator.reserved, log)
 
 
 def _random_ids(high: int, shape: tuple[int, ...], generator: torch.Generator, model: nn.Module) -> torch.Tensor:
@@ -204,6 +225,15 @@ class _TrackerWatch:
     def next_micro_batch(self) -> None:
         pass  # tracking() starts the tracker's module statistics afresh at each forward
 
+    def warmed_up(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass  # step() starts a fresh tracker
+
+    def result(self, after_forward, backward_peak) -> StepMemory:
+        return StepMemory(after_forward, backward_peak, self.peak)
+
     @contextlib.contextmanager
     def step(self):
         with tracking(self.model, self.optimizer) as self.tracking:  # a fresh tracker for each part: its own peak
@@ -218,6 +248,7 @@ class _DeviceWatch:
 
     def __init__(self, device: SimulatedGpu, model):
         self.device, self.peak = device, None
+        self.warm_up, self.start = 0, 0  # where the warm-up's events end, and the step's begin, in the device's log
         for parameter in model.parameters():
             parameter.register_post_accumulate_grad_hook(lambda p: device.gradient(p.grad))
 
@@ -225,18 +256,35 @@ class _DeviceWatch:
     def phase(self, name, backward=False):
         device = self.device
         before = device.phase, device.backward
-        device.phase, device.backward = name, backward
+        device.enter(name, backward)
         try:
             with device.replay():
                 yield
         finally:
-            device.phase, device.backward = before
+            device.enter(*before)
 
     def now(self) -> dict[str, int]:
         return self.device.read("after_forward")
 
     def next_micro_batch(self) -> None:
         pass
+
+    def warmed_up(self) -> None:
+        self.warm_up = len(self.device.log)
+
+    def restart(self) -> None:
+        """The next ``step()`` starts as the first after the warm-up does."""
+        self.peak, self.start = None, len(self.device.log)
+        self.device.readings.clear()
+
+    def result(self, after_forward, backward_peak) -> StepMemory:
+        """The step since ``restart()``: its readings, and the warm-up's events with its own."""
+        log = self.device.log[:self.warm_up] + self.device.log[self.start:]
+        if self.start == self.warm_up:
+            allocator = self.device.allocator
+            return StepMemory(after_forward, backward_peak, self.peak, allocator.peak_requested, allocator.reserved,
+                              log)
+        return memory_of_log(self.device.gpu, log)
 
     @contextlib.contextmanager
     def step(self):
@@ -285,6 +333,22 @@ def build_model(config, attention: str = "sdpa", checkpointing: bool = False, de
     return model
 
 
+def classifier_class(config) -> type | None:
+    """transformers' sequence-classification class for ``config``'s model type, or None where it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+
+
+def default_attention(config) -> str:
+    """The attention transformers picks for ``config``'s model by default: sdpa where the model implements it
+    (BERT, RoBERTa, DistilBERT, ModernBERT), else eager (DeBERTa-v2)."""
+    if config.model_type == "bert":
+        return "sdpa"
+    model = classifier_class(config)
+    return "sdpa" if model is not None and model._supports_sdpa else "eager"
+
+
 @contextlib.contextmanager
 def _recomputation(kernels, devices):
     with kernels, contextlib.ExitStack() as stack:
@@ -293,15 +357,21 @@ def _recomputation(kernels, devices):
         yield
 
 
-def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa", checkpointing: bool = False,
-               cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None, gpu: GpuModel | None = None,
-               environ: dict[str, str] | None = None, num_labels: int | None = None,
-               optimizer_impl: str = "foreach", **options) -> StepMemory:
-    """``trace_step`` without real memory: the model is built on ``meta`` and given storage there.
+def trace_fake(config, batch_size: int, seq_len: int, **options) -> StepMemory:
+    """``trace_fake_steps`` of one batch size."""
+    return trace_fake_steps(config, (batch_size,), seq_len, **options)[0]
+
+
+def trace_fake_steps(config, batch_sizes: tuple[int, ...], seq_len: int, *, attention: str = "sdpa",
+                     checkpointing: bool = False, cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None,
+                     gpu: GpuModel | None = None, environ: dict[str, str] | None = None, num_labels: int | None = None,
+                     optimizer_impl: str = "foreach", fake: bool = False, **options) -> list[StepMemory]:
+    """``trace_steps`` without real memory: the model is built on ``meta`` and given storage there.
 
     With a ``gpu``, attention is traced as the kernel that GPU picks and the step is replayed into its simulated
     allocator (``SimulatedGpu``, workspaces from ``environ``), on meta tensors; fused Adam, which refuses them, and
-    PyTorch's MemTracker (no ``gpu``) run on fake ones (``FakeTensorMode``, the storage fake CPU tensors). The
+    PyTorch's MemTracker (no ``gpu``) run on fake ones (``FakeTensorMode``, the storage fake CPU tensors; ``fake``:
+    those for a simulated GPU too, as tests compare). The
     garbage collector is paused for the whole trace, so that what it frees, and when, does not depend on what the
     process did before; objects older than the trace are left out of its collections (``gc.freeze``), which keeps
     them cheap."""
@@ -309,16 +379,16 @@ def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa"
     step = dict(vocab_size=config.vocab_size, cuda_dropout=cuda_dropout, fused_attention=attention == "sdpa",
                 amp_dtype=amp_dtype, gpu=gpu or GPUS["H200"], optimizer_impl=optimizer_impl, **options)
     with _collector_paused():
-        if gpu and optimizer_impl != "fused":
+        if gpu and optimizer_impl != "fused" and not fake:
             device = SimulatedGpu(gpu, environ)
             with device.replay():  # the weights
                 model.to_empty(device="meta")
-            return trace_step(model, batch_size, seq_len, device=device, **step)
+            return trace_steps(model, batch_sizes, seq_len, device=device, **step)
         device = SimulatedGpu(gpu, environ, step_counts_on_gpu=optimizer_impl == "fused") if gpu else None
         with FakeTensorMode(allow_non_fake_inputs=True):
             with device.replay() if device else contextlib.nullcontext():  # the weights
                 model.to_empty(device="cpu")
-            return trace_step(model, batch_size, seq_len, device=device, **step)
+            return trace_steps(model, batch_sizes, seq_len, device=device, **step)
 
 
 @contextlib.contextmanager
