@@ -22,7 +22,7 @@ from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision
 from helpers.memory.kernels import DTYPES
 from helpers.memory.nvidia_smi import Term
 from helpers.memory.step_logs import BatchLine, gradient_bytes, replica, reserved, step_memory, with_buckets
-from helpers.memory.tracer import StepMemory, build_model, trace_fake_steps, trace_step
+from helpers.memory.tracer import StepMemory, build_model, memory_of_log, trace_fake_steps, trace_step
 from helpers.torch_private import FakeTensorMode
 
 PREDICTED_STRATEGIES = ("single", "dataparallel", "ddp", "fsdp2")
@@ -101,8 +101,10 @@ def per_device(config, batch_size: int, seq_len: int, *, strategy: str = "single
     if settings.strategy == "fsdp2":
         return _fsdp2(config, batch_size // settings.gpus, seq_len, settings.gpus, accumulation, checkpointing,
                       settings.precision, attention, settings.gpu, environ)
-    return _categories(settings.step(config, batch_size // settings.gpus, seq_len), settings,
-                       gradient_as_bucket_view)
+    per_gpu = batch_size // settings.gpus
+    replica_step = (settings.step(config, per_gpu, seq_len, set_to_none=True)
+                    if settings.has_replicas and not settings.set_to_none else None)
+    return _categories(settings.step(config, per_gpu, seq_len), settings, gradient_as_bucket_view, replica_step)
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,10 @@ def largest_batch(config, seq_len: int, capacity: int | tuple[int, int] | None =
             figures[count] = max(low if not certain else high if high is not None else limit + 1 for low, high in ends)
         return figures[count]
 
-    fitting, failing = 0, None
-    count = first
+    ends = _line_ends(first)  # the traced batches: the line through them gives the first guess
+    slope = max(1.0, (figure(ends[1]) - figure(ends[0])) / (ends[1] - ends[0]))
+    fitting, failing, halve = 0, None, False
+    count = max(1, first + int((limit - figure(first)) // slope))
     while failing is None or failing > fitting + 1:
         if figure(count) <= limit:
             fitting = count
@@ -186,18 +190,25 @@ def largest_batch(config, seq_len: int, capacity: int | tuple[int, int] | None =
             failing = count
         if failing == 1:
             break
-        near = sorted(figures, key=lambda seen: abs(figures[seen] - limit))[:2]
-        if len(near) < 2:  # one batch looked at: the line through the two traced ones
-            near = [first, 2 * first]
-        (a, b) = near
-        slope = max(1.0, (figure(b) - figure(a)) / (b - a)) if a != b else 1.0
-        guess = a + int((limit - figure(a)) // slope)
-        low, high = fitting + 1, (failing - 1 if failing is not None else None)
-        guess = max(guess, low) if high is None else min(max(guess, low), high)
-        if guess in figures:
-            guess = (fitting + failing) // 2 if failing is not None else 2 * max(fitting, 1)
-        count = guess
+        if failing is None:  # everything fits so far: aim past where the line through the two largest crosses
+            below = sorted(seen for seen in figures if figures[seen] <= limit)[-2:]
+            if len(below) == 2 and figures[below[1]] > figures[below[0]]:
+                slope = (figures[below[1]] - figures[below[0]]) / (below[1] - below[0])
+            count = max(fitting + 1, fitting + int((limit - figure(fitting)) // slope * 1.05) + 1)
+        elif fitting == 0 or halve:  # between a fit and a failure: halve the interval every other time
+            count, halve = (fitting + failing) // 2 or 1, False
+        else:  # where the line between them crosses the limit
+            slope = max(1.0, (figure(failing) - figure(fitting)) / (failing - fitting))
+            count = min(max(fitting + int((limit - figure(fitting)) // slope), fitting + 1), failing - 1)
+            halve = True
     return fitting * unit
+
+
+def _line_ends(first: int) -> tuple[int, int]:
+    """The counts a batch line is traced at for a search from ``first``: one example per micro-batch is left out,
+    where size-1 dimensions take other paths (a broadcast needs no copy) and the log does not align with larger ones."""
+    start = max(2, first)
+    return start, 2 * start
 
 
 def _shown_by_count(config, seq_len: int, settings: _Setting, first: int, traced: bool):
@@ -218,14 +229,18 @@ def _counted(config, seq_len: int, settings: _Setting, first: int, traced: bool)
             config, count * examples * settings.gpus, seq_len, **settings.options(strategy="fsdp2",
                                                                                   gpus=settings.gpus))]
     changes = {"step": {}} | ({"replica": {"set_to_none": True}} if settings.has_replicas else {})
-    lines = {} if traced else {
-        name: BatchLine.through(*zip((first, 2 * first), (step.log for step in settings.steps(
-            config, (first * examples, 2 * first * examples), seq_len, **change))))
-        for name, change in changes.items()}
+    ends = _line_ends(first)
+    lines = {}
+    for name, change in changes.items():
+        counts = tuple(dict.fromkeys((first, *ends)))  # traced together, after one warm-up
+        steps = dict(zip(counts, settings.steps(config, tuple(count * examples for count in counts), seq_len,
+                                                **change)))
+        if not traced:
+            lines[name] = BatchLine.through(*((count, steps[count].log) for count in ends))
 
     def log(count: int, name: str) -> list:
         line = lines.get(name)
-        if line is None:
+        if line is None or count < ends[0]:
             return settings.step(config, count * examples, seq_len, **changes[name]).log
         return line.at(count)
 
@@ -302,7 +317,7 @@ class _Setting:
 
     def memories(self, step: StepMemory, replica_step: StepMemory | None) -> list[GpuMemory]:
         """``GpuMemory`` per GPU from the step on one device (and the step a replica's log comes from)."""
-        parts = _categories(step, self, self._options["bucket_view"])
+        parts = _categories(step, self, self._options["bucket_view"], replica_step)
         held = self.held(lambda: step, lambda: step.log, lambda: replica_step.log)
         return [GpuMemory(device, segments, *self.terms()) for device, segments in zip(parts, held)]
 
@@ -320,8 +335,10 @@ class _Setting:
         one = step()
         if not self.has_replicas:
             return [one.reserved_peak]
-        modelled = _categories(one, self, False)[1]["total"]
-        return [one.reserved_peak] + [max(modelled, reserved(self.gpu, replica(replica_log())))] * (self.gpus - 1)
+        logged = replica_log()
+        modelled = _categories(one, self, False, memory_of_log(self.gpu, logged) if not self.set_to_none
+                               else None)[1]["total"]
+        return [one.reserved_peak] + [max(modelled, reserved(self.gpu, replica(logged)))] * (self.gpus - 1)
 
 
 def _bucket_bytes(step: StepMemory) -> int:
@@ -329,13 +346,17 @@ def _bucket_bytes(step: StepMemory) -> int:
     return step.optimizer_peak["gradients"]
 
 
-def _categories(step: StepMemory, settings: _Setting, gradient_as_bucket_view: bool) -> list[dict[str, int]]:
-    """``per_device``'s dicts from the step on one device (its docstring says how each strategy is modelled)."""
+def _categories(step: StepMemory, settings: _Setting, gradient_as_bucket_view: bool,
+                replica_step: StepMemory | None = None) -> list[dict[str, int]]:
+    """``per_device``'s dicts from the step on one device (its docstring says how each strategy is modelled), and
+    for DataParallel's replicas from ``replica_step`` where given: the step freeing its gradients at ``zero_grad``, as
+    a replica's are new at each backward whatever ``set_to_none`` is."""
     peak = _parts(step.peak)
     gpus = settings.gpus
     if settings.strategy == "single":
         return [_total(peak)]
     if settings.strategy == "dataparallel":
+        step = replica_step or step
         backward = _parts(step.backward_peak)
         replica_compute = backward | {"optimizer": 0}
         if settings.accumulation > 1:  # earlier micro-batches' gradients went into GPU 0's .grad: a replica holds none
