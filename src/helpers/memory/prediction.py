@@ -160,9 +160,10 @@ def largest_batch(config, seq_len: int, capacity: int | tuple[int, int] | None =
 
     Two traces, at the batch ``known`` (default: 2 micro-batches per GPU) and twice that, give a ``BatchLine``,
     which gives the step at every other batch without tracing; where the two logs do not align on a line, and with
-    ``traced`` (as tests compare), every batch is traced. The search aims where the line through the two batches
-    looked at nearest to the limit crosses it, and stops at a batch that fits next to one that does not. FSDP2 is
-    traced (FSDPMemTracker, no replay); without a reserved figure it never fits for certain."""
+    ``traced`` (as tests compare), every batch is traced. The search aims where the line through the traced batches
+    crosses the limit, a little past it while everything fits; between a batch that fits and one that does not, where
+    the line between them crosses the limit and halfway, in turn; it stops at a batch that fits next to one that does
+    not. FSDP2 is traced (FSDPMemTracker, no replay); without a reserved figure it never fits for certain."""
     settings = _Setting.of(options.pop("strategy", "single"), options.pop("gpus", 1), None, options.pop("gpu", None),
                            options.pop("amp", None), **options)
     capacity = settings.gpu.capacity if capacity is None else (
@@ -181,13 +182,15 @@ def largest_batch(config, seq_len: int, capacity: int | tuple[int, int] | None =
 
     ends = _line_ends(first)  # the traced batches: the line through them gives the first guess
     slope = max(1.0, (figure(ends[1]) - figure(ends[0])) / (ends[1] - ends[0]))
-    fitting, failing, halve = 0, None, False
+    fitting = max((seen for seen in figures if figures[seen] <= limit), default=0)
+    failing = min((seen for seen in figures if figures[seen] > limit), default=None)
+    halve = False
     count = max(1, first + int((limit - figure(first)) // slope))
     while failing is None or failing > fitting + 1:
         if figure(count) <= limit:
-            fitting = count
+            fitting = max(fitting, count)
         else:
-            failing = count
+            failing = count if failing is None else min(failing, count)
         if failing == 1:
             break
         if failing is None:  # everything fits so far: aim past where the line through the two largest crosses

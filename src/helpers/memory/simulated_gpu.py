@@ -33,7 +33,7 @@ from helpers.memory.allocator import CachingAllocator
 from helpers.memory.categories import ORDER
 from helpers.memory.gpu_facts import GpuModel, reduce_buffers, workspaces
 from helpers.torch_private import (BIAS_GEMM, GEMMS, SUM_OVER_DIMS, TorchDispatchMode, WeakIdKeyDictionary,
-                                          tree_leaves)
+                                   makes_new_tensors, tree_leaves)
 
 FILED = tuple(word for word in ORDER if word not in ("gathered", "buckets"))
 """What one simulated GPU files bytes under: no FSDP2 gathered weights, no DDP buckets (the prediction adds those)."""
@@ -258,8 +258,7 @@ class _MetaOutputs:
     @classmethod
     def _key(cls, func, args, kwargs) -> tuple | None:
         if func not in cls.fresh:
-            schema = func._schema
-            cls.fresh[func] = not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+            cls.fresh[func] = makes_new_tensors(func)
         if not cls.fresh[func]:
             return None
         try:
