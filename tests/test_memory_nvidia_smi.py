@@ -26,17 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "fixtures" / "h200-snapshot-b8-l512-fp32.pickle.gz"
 MIB = 2**20
 H200, T4 = GPUS["H200"], GPUS["T4"]
-SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
              max_position_embeddings=64)
 ENCODERS = {  # a tiny config of each model type, the fields its Japanese preset sets
     "roberta": RobertaConfig(**SMALL, pad_token_id=1),
     "deberta-v2": DebertaV2Config(**SMALL, relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"],
                                   position_biased_input=False, type_vocab_size=0, norm_rel_ebd="layer_norm",
                                   share_att_key=True, max_relative_positions=-1),
-    "distilbert": DistilBertConfig(vocab_size=1000, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+    "distilbert": DistilBertConfig(vocab_size=1000, dim=64, n_layers=1, n_heads=4, hidden_dim=128,
                                    max_position_embeddings=64, sinusoidal_pos_embds=True),
-    "modernbert": ModernBertConfig(**SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
-                                   sep_token_id=2, local_attention=8),
+    "modernbert": ModernBertConfig(**(SMALL | {"num_hidden_layers": 2}), pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2, cls_token_id=1, sep_token_id=2, local_attention=8),  # a global
+    #                                                         layer, then a local one (every third layer is global)
 }
 
 
