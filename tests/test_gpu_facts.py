@@ -108,7 +108,7 @@ def test_below_sm80_attention_is_memory_efficient_in_fp32_and_fp16_and_math_in_b
 
 
 def test_a_gpu_without_native_bf16_mixes_in_fp16_and_refuses_bf16_naming_fp16():
-    t4, v100, h200 = GPUS["T4"], GPUS["V100"], GPUS["H200"]
+    t4, v100, h200 = GPUS["T4"], GPUS["V100-16GB"], GPUS["H200"]
     assert (t4.native_bf16, v100.native_bf16, h200.native_bf16, GPUS["A100-40GB"].native_bf16) == (False, False,
                                                                                                    True, True)
     assert mixed_precision(t4)[0] == mixed_precision(v100)[0] == "fp16" and mixed_precision(h200)[0] == "bf16"
@@ -119,7 +119,7 @@ def test_a_gpu_without_native_bf16_mixes_in_fp16_and_refuses_bf16_naming_fp16():
                                 "for fp32")
     assert [amp_precision(t4, amp) for amp in (None, False, True, "fp16")] == ["fp32", "fp32", "fp16", "fp16"]
     assert [amp_precision(h200, amp) for amp in (True, "bf16", "fp16")] == ["bf16", "bf16", "fp16"]
-    with pytest.raises(ValueError, match=r"^--amp bf16: V100 \(sm70\) has no native bf16.*use --amp fp16"):
+    with pytest.raises(ValueError, match=r"^--amp bf16: V100-16GB \(sm70\) has no native bf16.*use --amp fp16"):
         amp_precision(v100, "bf16")
     with pytest.raises(ValueError, match="amp='fp8'"):
         amp_precision(h200, "fp8")

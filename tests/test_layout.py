@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "helpers"
 SEPARATE = ("helpers.build", "helpers.checks")
 TRAINING = ("helpers.train", "helpers.finetune", "helpers.checkpoint")  # what the memory predictor never imports
-MEMORY_LAYERS = ("categories", "gpu_facts", "allocator", "simulated_gpu", "configs", "formulas",
-                 "kernels", "tracker", "tracer", "cuda_step", "fsdp2", "prediction", "record", "fsdp2_table", "charts",
+MEMORY_LAYERS = ("categories", "gpu_facts", "nvidia_smi", "allocator", "simulated_gpu", "configs", "formulas",
+                 "kernels", "tracker", "tracer", "step_logs", "cuda_step", "fsdp2", "prediction", "record", "fsdp2_table",
+                 "charts",
                  "command", "__main__")
 """helpers.memory's modules in the order of its front door's docstring: each imports only modules before it."""
 

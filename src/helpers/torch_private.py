@@ -257,6 +257,13 @@ def fused_attention(kernel: str, query, key, value, attn_bias, dropout_p: float,
     return _EFFICIENT(query, key, value, attn_bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
+def makes_new_tensors(operator) -> bool:
+    """Whether an ATen operator overload, by its schema, changes no argument in place and returns no view of one
+    (no alias annotation; ``_unsafe_view`` is unannotated and still a view, which callers must check)."""
+    schema = operator._schema
+    return not schema.is_mutable and all(returned.alias_info is None for returned in schema.returns)
+
+
 # --- the trackers and the fake process group: checked when first used ------------------------------------------
 
 @functools.cache

@@ -7,13 +7,16 @@ needs no torch) or running one (``python -m helpers.memory.cuda_step``) loads on
 Inside, one module per concern (each imports only those above it in this list):
 
 - ``categories``: the words memory is split into (weights, gradients, ...), in one order;
-- ``gpu_facts``: GPUs as a table, which mixed precision and attention kernel each runs, and what CUDA allocates
-  besides tensors, read in PyTorch's C++ (pure: no torch);
+- ``gpu_facts``: GPUs as a table (the total each reports, with its source), which mixed precision and attention
+  kernel each runs, and what CUDA allocates besides tensors, read in PyTorch's C++ (pure: no torch);
+- ``nvidia_smi``: what nvidia-smi shows beyond the allocator's segments, the CUDA context and NCCL, with sources;
 - ``allocator`` and ``simulated_gpu``: PyTorch's caching allocator in Python, and a GPU replaying a traced step;
-- ``configs``: the BERT shapes; ``formulas``: parameter and activation bytes in closed form;
-- ``kernels``, ``tracker``, ``tracer``: a step traced on fake tensors as CUDA runs it;
+- ``configs``: the BERT shapes and the command's presets; ``formulas``: parameter and activation bytes in closed form;
+- ``kernels``, ``tracker``, ``tracer``: a step traced on meta or fake tensors as CUDA runs it;
+- ``step_logs``: a traced step's events re-run (DDP's bucket, a DataParallel replica, another batch size);
 - ``cuda_step``: measuring on a real GPU, the only CUDA code;
-- ``fsdp2``: FSDP2's per-rank memory; ``prediction``: per-GPU peaks of every strategy, and the largest batch;
+- ``fsdp2``: FSDP2's per-rank memory; ``prediction``: per-GPU peaks of every strategy, what nvidia-smi will show, and
+  the largest batch;
 - ``record`` (the H200 measurements), ``fsdp2_table`` (notebook 08's stored table), ``charts``, ``command``.
 
 Nothing here imports the training loop, the entry point or the checkpoints, and no module of the package imports
@@ -34,7 +37,10 @@ EXPORTS = {
     "fsdp2_table": ("load_table",),
     "gpu_facts": ("GIB", "GPUS", "PRECISIONS", "GpuModel", "amp_precision", "attention_kernel", "mixed_precision",
                   "sdpa_kernel", "workspaces"),
-    "prediction": ("FITS", "default_gpu", "largest_batch", "per_device", "predict_cpu_step", "predict_step"),
+    "prediction": ("GpuMemory", "default_gpu", "gpu_memory", "largest_batch", "per_device", "predict_cpu_step",
+                   "predict_step"),
+    "command": ("MEMO_ARGS", "MEMO_NVIDIA_SMI_MIB", "memo_prediction"),
+    "nvidia_smi": ("cuda_context", "communication"),
     "record": ("h200_steps",),
     "tracer": ("trace_fake",),
     "helpers.torch_private": ("recording_memory_history",),  # every private PyTorch surface of the package

@@ -1,8 +1,10 @@
-"""Will my setting fit? Each GPU's predicted peak memory in one fine-tuning step, by category, with the flags and
-defaults of helpers.finetune; whether it fits the GPU; and the largest global batch that does.
+"""Will my setting fit? Each GPU's predicted memory in one fine-tuning step, by category at its allocated peak, and
+what nvidia-smi will show for it (the allocator's reserved segments, the CUDA context, NCCL's buffers) against the
+total the GPU reports; with the flags and defaults of helpers.finetune; and the largest global batch that fits.
 
     python -m helpers.memory --gpu T4 --gpus 2 --strategy ddp --global-batch-size 32 --seq-len 128 --amp fp16
     python -m helpers.memory --gpu A100-80GB --gpus 8 --strategy fsdp --model tohoku-nlp/bert-large-japanese-v2
+    python -m helpers.memory --gpu L4 --amp bf16 --model rinna/japanese-roberta-base
 """
 
 from __future__ import annotations
@@ -15,23 +17,13 @@ from pathlib import Path
 import torch
 
 from helpers.data import MAX_LENGTH
+from helpers.memory import nvidia_smi
 from helpers.memory.categories import ORDER
-from helpers.memory.formulas import parameter_bytes
+from helpers.memory.configs import PRESETS, preset_config, preset_name
 from helpers.memory.gpu_facts import GPUS, GpuModel, amp_precision, attention_kernel, parse_memory
-from helpers.memory.prediction import FITS, largest_batch, per_device
+from helpers.memory.prediction import gpu_memory, largest_batch
+from helpers.memory.tracer import OPTIMIZER_IMPLS, build_model, classifier_class, default_attention
 
-MODEL_PRESETS = {
-    # The fields of each model's config.json on the Hugging Face hub that decide its memory (BertConfig's
-    # defaults for the rest: type_vocab_size 2, dropout 0.1). cl-tohoku/... is the same model as tohoku-nlp/...
-    "tohoku-nlp/bert-base-japanese-whole-word-masking": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12,
-                                                             num_attention_heads=12, intermediate_size=3072),
-    "tohoku-nlp/bert-base-japanese-v3": dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12,
-                                             num_attention_heads=12, intermediate_size=3072),
-    "tohoku-nlp/bert-large-japanese-v2": dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=24,
-                                              num_attention_heads=16, intermediate_size=4096),
-}
-BERT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-               "max_position_embeddings")
 STRATEGIES = {"single": "single", "dataparallel": "dataparallel", "ddp": "ddp", "fsdp": "fsdp2"}
 """--strategy (helpers.finetune's names, and the memo's DataParallel) -> helpers.memory.per_device's strategy."""
 COLUMNS = {
@@ -47,38 +39,65 @@ COLUMNS = {
     "allocator": "what the caching allocator's whole blocks add to the bytes asked for (fsdp: not counted)",
     "buckets": "ddp: the gradient buckets DDP all-reduces",
     "total": "the sum: the predicted torch.cuda.max_memory_allocated (fsdp: FSDPMemTracker's bytes and workspaces)",
-    "fits": f"yes when total is at most {FITS:.0%} of the GPU's memory (the CUDA context and cached blocks need "
-            f"the rest)",
 }
-"""The table's columns, the same in every run (ORDER, then total and fits), each with its one line of --help."""
+"""The first table's columns, the same in every run (ORDER, then total), each with its one line of --help."""
+NVIDIA_SMI_COLUMNS = {
+    "allocated": "the first table's total",
+    "reserved": "the caching allocator's reserved peak (torch.cuda.max_memory_reserved): the step replayed into it "
+                "(ddp: its bucket too; dataparallel: GPU 1 on runs a replica's share); fsdp: not replayed, unknown",
+    "context": "the CUDA context and the kernels the libraries load into it, outside the allocator: the recorded "
+               "H200's own figure, else the published range (--cuda-module-loading)",
+    "nccl": "NCCL's buffers and kernels on each GPU under dataparallel, ddp and fsdp (published range); 0 on one GPU",
+    "nvidia-smi": "what nvidia-smi will show for this process on the GPU: reserved + context + nccl; not other "
+                  "processes, nor the driver's few MiB",
+    "capacity": "the GPU's total as the device reports it (torch's total_memory, nvidia-smi's total): published "
+                "figures, a range where they differ (below), or --gpu-memory, or this GPU's own",
+    "fits": "yes: nvidia-smi's largest figure within the smallest total; NO: its smallest above the largest; "
+            "maybe: between, where the context, NCCL or the total decide",
+}
+"""The second table's columns, each with its one line of --help."""
 PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with a gradient scaler"}
+LOADING_WORDS = {"lazy": "lazily", "eager": "eagerly"}
+MEMO_ARGS = ("--gpu", "A100-40GB", "--gpus", "2", "--strategy", "dataparallel", "--global-batch-size", "64",
+             "--seq-len", "512", "--attention", "eager", "--optimizer-impl", "for-loop", "--no-set-to-none",
+             "--cuda-module-loading", "eager")
+"""The memo's setting as one command: its model (the default), nn.DataParallel on two GPUs, the global batch of 64
+and 512 tokens notebook 05 assumes, and torch 1.x's step: eager attention, Adam one tensor at a time, ``zero_grad``
+keeping the gradients, every CUDA kernel loaded at start. The memo names no GPU: an A100-40GB, a GPU of its era with
+room for its 39,057 MiB."""
+MEMO_NVIDIA_SMI_MIB = (39_057, 23_485)
+"""The memo's nvidia-smi, GPU 0 and GPU 1 (MiB, quoted)."""
 
 
 class SettingError(ValueError):
     """A setting the command cannot predict; the message is the one line the reader sees."""
 
 
-def load_config(model: str):
-    """A BertConfig for ``model``: a preset name (offline), a local folder with config.json, or a hub name (read
-    from the hub or its cache). Raises SettingError naming what is wrong, the loader's error kept as its cause."""
-    from transformers import AutoConfig, BertConfig
+def load_config(model: str, num_labels: int | None = None):
+    """The transformers config of ``model``: a preset (offline), a local folder with config.json, or a hub name (read
+    from the hub or its cache), with ``num_labels`` where given; and where it came from. Raises SettingError naming
+    what is wrong, the loader's error kept as its cause, and for a model type transformers has no
+    sequence-classification model for."""
+    from transformers import AutoConfig
 
-    name = model.replace("cl-tohoku/", "tohoku-nlp/")
-    if name in MODEL_PRESETS:
-        return BertConfig(**MODEL_PRESETS[name], max_position_embeddings=512, use_cache=False), "preset"
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as error:
-        raise SettingError(f"--model {model}: not a preset ({', '.join(MODEL_PRESETS)}), not a folder with a "
-                           f"config.json, and not found on the hub or in its cache ({str(error).splitlines()[0]})"
-                           ) from error
-    missing = [field for field in BERT_FIELDS if not hasattr(config, field)]
-    if config.model_type != "bert" or missing:
-        raise SettingError(f"--model {model}: not a BERT config (model_type {config.model_type!r}"
-                           + (f", no {', '.join(missing)}" if missing else "")
-                           + "); this command predicts BERT encoders")
-    return BertConfig(**{field: getattr(config, field) for field in BERT_FIELDS}, use_cache=False), (
-        "folder" if Path(model).is_dir() else "hub")
+    name = preset_name(model)
+    if name:
+        config, source = preset_config(name), "preset"
+    else:
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as error:
+            raise SettingError(f"--model {model}: not a preset ({', '.join(PRESETS)}), not a folder with a "
+                               f"config.json, and not found on the hub or in its cache ({str(error).splitlines()[0]})"
+                               ) from error
+        source = "folder" if Path(model).is_dir() else "hub"
+    if config.model_type != "bert" and classifier_class(config) is None:
+        raise SettingError(f"--model {model}: transformers has no sequence-classification model for model_type "
+                           f"{config.model_type!r} (AutoModelForSequenceClassification); this command predicts "
+                           f"fine-tuning one")
+    if num_labels:
+        config.num_labels = num_labels
+    return config, source
 
 
 def _positive(text: str) -> int:
@@ -106,14 +125,31 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _mib(low: int, high: int | None = None) -> str:
+    """MiB as the tables print them: one figure, or low-high."""
+    if high is None or high == low:
+        return f"{low / 2**20:,.0f}"
+    return f"{low / 2**20:,.0f}-{high / 2**20:,.0f}"
+
+
 def parser() -> argparse.ArgumentParser:
     legend = "\n".join(f"  {name:<12} {meaning}" for name, meaning in COLUMNS.items())
+    legend_smi = "\n".join(f"  {name:<12} {meaning}" for name, meaning in NVIDIA_SMI_COLUMNS.items())
+    totals = "\n".join(f"  {gpu.name:<10} {_mib(*gpu.capacity):>15} MiB: {gpu.memory_source}" for gpu in GPUS.values())
+    terms = "\n".join(f"  {term.name} ({_mib(term.low, term.high)} MiB): {term.source}"
+                      for term in (nvidia_smi.H200, nvidia_smi.LAZY, nvidia_smi.EAGER, nvidia_smi.NCCL))
     parser = _OneLineParser(
         prog="python -m helpers.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"columns, MiB per GPU at its predicted peak (--json: bytes):\n{legend}")
+        epilog=f"columns, MiB per GPU at its predicted allocated peak (--json: bytes):\n{legend}\n\n"
+               f"what nvidia-smi will show, MiB per GPU (--json: bytes):\n{legend_smi}\n\n"
+               f"GPUs (--gpu), the total each reports, and where the figure comes from:\n{totals}\n\n"
+               f"the terms nvidia-smi adds to the reserved peak, and where the figures come from:\n{terms}")
     parser.add_argument("--model", default="tohoku-nlp/bert-base-japanese-whole-word-masking",
-                        help=f"a preset ({', '.join(MODEL_PRESETS)}), a folder with config.json, or a hub name "
-                             f"(default: %(default)s, the memo's model)")
+                        help=f"a preset ({', '.join(PRESETS)}), a folder with config.json, or a hub name; BERT trains "
+                             f"as the project's Net, any other encoder as transformers' sequence-classification "
+                             f"model (default: %(default)s, the memo's model)")
+    parser.add_argument("--num-labels", type=_positive, metavar="N",
+                        help="classes the head predicts (default: the config's num_labels, 2 for the presets)")
     parser.add_argument("--gpu", type=_gpu, metavar="NAME",
                         help=f"the GPU model: {', '.join(GPUS)} (default: this machine's GPU 0; required where "
                              f"torch sees none)")
@@ -136,13 +172,30 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--amp", choices=("bf16", "fp16"),
                         help="bf16 autocast (GPUs of compute capability 8.0 or later), or fp16 autocast with a "
                              "gradient scaler (the T4's and the V100's) (default: fp32, as helpers.finetune)")
-    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
-                        help="sdpa: the kernel the GPU picks, as transformers' default (default); eager: the L x L "
-                             "probabilities kept, as in the memo's era")
+    parser.add_argument("--attention", choices=("sdpa", "eager"),
+                        help="sdpa: the kernel the GPU picks; eager: the L x L probabilities kept, as in the memo's "
+                             "era (default: transformers' own for the model: sdpa where it has it, else eager)")
+    parser.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="foreach",
+                        help="how Adam runs, torch.optim.Adam's foreach=True, fused=True or foreach=False: foreach "
+                             "(default, as helpers.finetune on CUDA), fused, or for-loop (torch 1.x's)")
+    parser.add_argument("--set-to-none", action=argparse.BooleanOptionalAction, default=True,
+                        help="optimizer.zero_grad(set_to_none=...): --set-to-none frees the gradients (default, "
+                             "torch 2.x); --no-set-to-none zeroes them and keeps them through the next step (torch 1.x)")
+    parser.add_argument("--cuda-module-loading", choices=nvidia_smi.MODULE_LOADINGS, default="lazy",
+                        help="CUDA_MODULE_LOADING, which sizes the CUDA context: lazy (default, torch 1.13 or later "
+                             "sets it), or eager (every kernel loaded at start: older torch or CUDA)")
     parser.add_argument("--gpu-memory", type=_memory, metavar="SIZE",
-                        help="memory of each GPU, e.g. 16GiB, 24GB, 40960MiB (default: the GPU's)")
+                        help="the total of each GPU, e.g. 16GiB, 24GB, 40960MiB (default: what the GPU reports, "
+                             "below)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object, in bytes")
     return parser
+
+
+def _usable_positions(config) -> int:
+    """The longest sequence ``config``'s position embeddings take: RoBERTa's count from the padding id on."""
+    if config.model_type in ("roberta", "xlm-roberta", "camembert"):
+        return config.max_position_embeddings - config.pad_token_id - 1
+    return config.max_position_embeddings
 
 
 def check_setting(args, config) -> None:
@@ -153,15 +206,19 @@ def check_setting(args, config) -> None:
         raise SettingError(f"--global-batch-size {args.global_batch_size} does not split into --gpus {args.gpus} x "
                            f"--grad-accum-steps {args.grad_accum_steps} equal micro-batches; use a multiple of "
                            f"{args.gpus * args.grad_accum_steps}")
-    if args.seq_len > config.max_position_embeddings:
-        raise SettingError(f"--seq-len {args.seq_len} is longer than the model's {config.max_position_embeddings} "
+    if args.seq_len > _usable_positions(config):
+        raise SettingError(f"--seq-len {args.seq_len} is longer than the model's {_usable_positions(config)} "
                            f"positions")
     if args.strategy == "fsdp":
         used = [flag for flag, on in ((f"--grad-accum-steps {args.grad_accum_steps}", args.grad_accum_steps > 1),
-                                      ("--attention eager", args.attention == "eager")) if on]
+                                      ("--attention eager", args.attention == "eager"),
+                                      (f"--optimizer-impl {args.optimizer_impl}", args.optimizer_impl != "foreach"),
+                                      ("--no-set-to-none", not args.set_to_none),
+                                      (f"a {config.model_type} model", config.model_type != "bert")) if on]
         if used or (args.amp and args.gradient_checkpointing):
-            raise SettingError(f"--strategy fsdp is predicted with sdpa attention and at most one of --amp and "
-                               f"--gradient-checkpointing, without --grad-accum-steps; got "
+            raise SettingError(f"--strategy fsdp is predicted for BERT with sdpa attention, foreach Adam, "
+                               f"zero_grad(set_to_none=True) and at most one of --amp and --gradient-checkpointing, "
+                               f"without --grad-accum-steps; got "
                                + ", ".join(used + (["--amp with --gradient-checkpointing"] if args.amp and
                                                    args.gradient_checkpointing else [])))
 
@@ -178,67 +235,115 @@ def choose_gpu(args) -> tuple[GpuModel, str]:
 
 
 def predict(args) -> dict:
-    """The result of the command for ``args`` (parsed): the setting, each GPU's peak bytes by category, the
-    largest batch that fits. Raises SettingError naming the flag at fault."""
+    """The result of the command for ``args`` (parsed): the setting, each GPU's peak bytes by category and what
+    nvidia-smi will show, the largest batch that fits. Raises SettingError naming the flag at fault, or the model
+    type where its step cannot be traced."""
     gpu, source = choose_gpu(args)
-    config, model_source = load_config(args.model)
-    check_setting(args, config)
+    config, model_source = load_config(args.model, args.num_labels)
+    attention = args.attention or default_attention(config)
+    check_setting(argparse.Namespace(**(vars(args) | {"attention": attention})), config)
     try:
         precision = amp_precision(gpu, args.amp)  # --amp bf16 refused where helpers.finetune refuses it
     except ValueError as error:
         raise SettingError(str(error)) from error
-    capacity = args.gpu_memory or gpu.memory
+    capacity = (args.gpu_memory, args.gpu_memory) if args.gpu_memory else gpu.capacity
+    capacity_source = "--gpu-memory" if args.gpu_memory else gpu.memory_source
     options = dict(strategy=STRATEGIES[args.strategy], gpus=args.gpus, accumulation=args.grad_accum_steps,
-                   checkpointing=args.gradient_checkpointing, amp=args.amp, attention=args.attention, gpu=gpu)
-    devices = per_device(config, args.global_batch_size, args.seq_len, **options)
-    best = largest_batch(config, args.seq_len, capacity, known=args.global_batch_size, **options)
-    count = parameter_bytes(config) // 4
+                   checkpointing=args.gradient_checkpointing, amp=args.amp, attention=attention, gpu=gpu,
+                   optimizer_impl=args.optimizer_impl, set_to_none=args.set_to_none, num_labels=args.num_labels)
+    try:
+        model = build_model(config, attention, num_labels=args.num_labels)
+        count = sum(parameter.numel() for parameter in model.parameters())
+        best = {certain: largest_batch(config, args.seq_len, capacity, known=args.global_batch_size, certain=certain,
+                                       module_loading=args.cuda_module_loading, **options)
+                for certain in (True, False)}  # first: it traces the asked batch with another, after one warm-up
+        devices = gpu_memory(config, args.global_batch_size, args.seq_len,
+                             module_loading=args.cuda_module_loading, **options)
+    except Exception as error:  # transformers' own refusals, and operators a trace on meta tensors cannot run
+        raise SettingError(f"--model {args.model}: cannot trace a {config.model_type} step with "
+                           f"--attention {attention}: {type(error).__name__}: {str(error).splitlines()[0]}"
+                           ) from error
+    context, communication = devices[0].context, devices[0].communication
     return {
-        "model": {"name": args.model, "source": model_source, "parameters": count, "hidden_size": config.hidden_size,
-                  "layers": config.num_hidden_layers, "vocab_size": config.vocab_size},
-        "gpu": {"name": gpu.name, "source": source, "sm": gpu.sm, "sm_count": gpu.sm_count,
-                "memory_bytes": capacity, "count": args.gpus},
+        "model": {"name": args.model, "source": model_source, "model_type": config.model_type,
+                  "head": "Net" if config.model_type == "bert" else type(model.encoder).__name__,
+                  "num_labels": args.num_labels or (2 if config.model_type == "bert" else config.num_labels),
+                  "parameters": count, "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+                  "vocab_size": config.vocab_size},
+        "gpu": {"name": gpu.name, "source": source, "sm": gpu.sm, "sm_count": gpu.sm_count, "count": args.gpus,
+                "capacity": {"low": capacity[0], "high": capacity[1], "source": capacity_source}},
         "setting": {"strategy": args.strategy, "global_batch_size": args.global_batch_size,
                     "micro_batch_size": args.global_batch_size // args.gpus // args.grad_accum_steps,
                     "grad_accum_steps": args.grad_accum_steps, "seq_len": args.seq_len, "amp": precision,
-                    "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
-                    "attention_kernel": attention_kernel(gpu, precision) if args.attention == "sdpa" else "eager"},
+                    "gradient_checkpointing": args.gradient_checkpointing, "attention": attention,
+                    "attention_kernel": attention_kernel(gpu, precision) if attention == "sdpa" else "eager",
+                    "optimizer_impl": args.optimizer_impl, "set_to_none": args.set_to_none,
+                    "cuda_module_loading": args.cuda_module_loading},
         "columns": list(COLUMNS),
-        "per_gpu": [{name: device.get(name, 0) for name in (*ORDER, "total")}
-                    | {"fits": device["total"] <= FITS * capacity} for device in devices],
-        "fits_limit_bytes": int(FITS * capacity),
-        "largest_global_batch": best,
+        "nvidia_smi_columns": list(NVIDIA_SMI_COLUMNS),
+        "terms": {"context": vars(context), "nccl": vars(communication)},
+        "per_gpu": [{name: device.parts.get(name, 0) for name in (*ORDER, "total")}
+                    | {"allocated": device.allocated, "reserved": device.reserved,
+                       "context": [device.context.low, device.context.high],
+                       "nccl": [device.communication.low, device.communication.high],
+                       "nvidia-smi": list(device.nvidia_smi), "capacity": list(capacity),
+                       "fits": device.fits(capacity)} for device in devices],
+        "largest_global_batch": best[True],
+        "largest_global_batch_maybe": best[False],
         "accelerate_estimate_bytes": 16 * count,
     }
 
 
 def report(result: dict) -> list[str]:
-    """The command's lines for a reader: the model, the GPU, the setting, one row per GPU, the largest batch."""
+    """The command's lines for a reader: the model, the GPU, the setting, the two tables, the largest batch."""
     model, gpu, setting = result["model"], result["gpu"], result["setting"]
     micro, steps = setting["micro_batch_size"], setting["grad_accum_steps"]
-    widths = {name: max(len(name), 7) for name in result["columns"]}
-    lines = [f"model {model['name']} ({model['source']}): {model['parameters'] / 1e6:,.1f} M parameters, hidden "
-             f"{model['hidden_size']}, {model['layers']} layers, vocab {model['vocab_size']}",
+    capacity = gpu["capacity"]
+    lines = [f"model {model['name']} ({model['source']}; {model['head']}, {model['num_labels']} labels): "
+             f"{model['parameters'] / 1e6:,.1f} M parameters, hidden {model['hidden_size']}, {model['layers']} layers, "
+             f"vocab {model['vocab_size']}",
              f"{setting['strategy']} on {gpu['count']} x {gpu['name']} ({gpu['source']}; {gpu['sm']}, "
-             f"{gpu['sm_count']} SMs, {gpu['memory_bytes'] / 2**30:.1f} GiB each), global batch "
+             f"{gpu['sm_count']} SMs, {_mib(capacity['low'], capacity['high'])} MiB each), global batch "
              f"{setting['global_batch_size']} = {micro} per GPU x {_count(steps, 'micro-batch')}, L={setting['seq_len']}",
              f"{PRECISION_WORDS[setting['amp']]}, attention {setting['attention_kernel']}"
              + (", gradient checkpointing" if setting["gradient_checkpointing"] else "")
-             + "; predicted peak per GPU in MiB (--help: each column):",
-             f"{'':5}" + " ".join(f"{name:>{width}}" for name, width in widths.items())]
-    for index, device in enumerate(result["per_gpu"]):
-        cells = [f"{device[name] / 2**20:>{widths[name]},.0f}" for name in (*ORDER, "total")]
-        lines.append(f"GPU{index:<2}" + " ".join(cells) + f" {'yes' if device['fits'] else 'NO':>{widths['fits']}}")
-    best, unit = result["largest_global_batch"], gpu["count"] * steps
-    lines.append(f"largest global batch that fits: {best} ({best // unit} per GPU per micro-batch)" if best else
-                 "largest global batch that fits: none, even 1 example per GPU does not fit")
+             + f", Adam {setting['optimizer_impl']}, zero_grad(set_to_none={setting['set_to_none']}), CUDA modules "
+               f"loaded {LOADING_WORDS[setting['cuda_module_loading']]}",
+             "at the allocated peak, MiB per GPU (--help: each column):"]
+    lines += _table(result["columns"], [[_mib(device[name]) for name in result["columns"]]
+                                        for device in result["per_gpu"]])
+    lines.append("what nvidia-smi will show, MiB per GPU (--help: each column and source):")
+    lines += _table(result["nvidia_smi_columns"],
+                    [[_mib(device["allocated"]), "?" if device["reserved"] is None else _mib(device["reserved"]),
+                      _mib(*device["context"]), _mib(*device["nccl"]),
+                      f"{_mib(device['nvidia-smi'][0])}-?" if device["nvidia-smi"][1] is None
+                      else _mib(*device["nvidia-smi"]),
+                      _mib(*device["capacity"]), device["fits"]] for device in result["per_gpu"]])
+    best, maybe, unit = result["largest_global_batch"], result["largest_global_batch_maybe"], gpu["count"] * steps
+    sure = f"{best} ({best // unit} per GPU per micro-batch)" if best else "none for certain"
+    lines.append(f"largest global batch that fits: {sure}" + (f"; up to {maybe} may fit" if maybe > best else ""))
     lines.append(f"accelerate estimate-memory's count (weights, gradients, Adam; 16 bytes per parameter in fp32): "
                  f"{result['accelerate_estimate_bytes'] / 2**20:,.0f} MiB")
     return lines
 
 
+def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(name), 7, *(len(row[index]) for row in rows)) for index, name in enumerate(columns)]
+    lines = [f"{'':5}" + " ".join(f"{name:>{width}}" for name, width in zip(columns, widths))]
+    lines += [f"GPU{index:<2}" + " ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
+              for index, row in enumerate(rows)]
+    return lines
+
+
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" + ("" if number == 1 else "es" if noun.endswith("ch") else "s")
+
+
+def memo_prediction() -> dict:
+    """The command's answer for the memo's setting (``MEMO_ARGS``, which says what it assumes): the dict ``--json``
+    prints, in bytes. ``result["per_gpu"][i]["nvidia-smi"]`` is [low, high] of GPU i's process line in nvidia-smi
+    (``reserved``, ``context`` and ``nccl`` its terms), to set beside the memo's own, ``MEMO_NVIDIA_SMI_MIB``."""
+    return predict(parser().parse_args(list(MEMO_ARGS)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ class CudaPeak:
     peak: int       # allocated_bytes.all.peak during the step: whole blocks (max_memory_allocated)
     requested: int  # requested_bytes.all.peak during the step: the bytes code asked for
     held_after: int  # allocated once the model and optimizer are gone: the workspaces (and any leftover)
+    reserved: int | None = None  # reserved_bytes.all.peak during the step: the segments taken (max_memory_reserved)
 
 
 def clean_state(device: int = 0) -> int:
@@ -95,7 +96,7 @@ def measure_cuda_step(config, batch_size: int, seq_len: int, devices: list[int],
     del net, model, optimizer, scaler
     gc.collect()
     return [CudaPeak(leftover, held, stat["allocated_bytes.all.peak"], stat["requested_bytes.all.peak"],
-                     torch.cuda.memory_allocated(device))
+                     torch.cuda.memory_allocated(device), stat["reserved_bytes.all.peak"])
             for leftover, held, stat, device in zip(leftovers, before, stats, devices)]
 
 

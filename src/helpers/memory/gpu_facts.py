@@ -26,19 +26,31 @@ KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 @dataclass(frozen=True)
 class GpuModel:
-    """What the prediction needs to know about a GPU (``torch.cuda.get_device_properties`` gives the same)."""
+    """What the prediction needs to know about a GPU (``torch.cuda.get_device_properties`` gives the same).
+
+    ``memory`` is the total the device reports (``total_memory``, what ``torch.cuda.mem_get_info`` gives as total
+    and nvidia-smi as its total), not the size it is sold as: the most a process can reserve. Where published
+    figures of one model differ (ECC on or off, driver), ``memory`` is the smallest and ``memory_high`` the largest;
+    ``memory_source`` says where the figures come from."""
 
     name: str
     capability: tuple[int, int]   # compute capability (major, minor)
     sm_count: int                 # multiProcessorCount
     max_threads_per_sm: int       # maxThreadsPerMultiProcessor
-    memory: int                   # bytes, as sold (nvidia-smi shows a little less)
+    memory: int                   # bytes: the total the device reports (the smallest published one, see above)
     kernels: tuple[tuple[str, str], ...] | None = None  # (precision, attention kernel) pairs this GPU was seen to
     #                                                     pick, where it was asked (``cuda_step.this_gpu``)
+    memory_high: int | None = None  # bytes: the largest published total, where published totals differ
+    memory_source: str = "this GPU: torch.cuda.get_device_properties(i).total_memory"
 
     @property
     def sm(self) -> str:
         return f"sm{self.capability[0]}{self.capability[1]}"
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(smallest, largest) total in bytes: one figure twice where it is known exactly."""
+        return self.memory, self.memory_high or self.memory
 
     @property
     def native_bf16(self) -> bool:
@@ -48,18 +60,45 @@ class GpuModel:
         return tuple(self.capability) >= (8, 0)
 
 
-# One row per GPU model. NVIDIA's published figures (SM counts from each product's datasheet; threads per SM from the CUDA C++
-# Programming Guide's table of compute capabilities). Memory as sold: GB = 10^9 bytes.
+def _gib(text: str, edge: float) -> int:
+    """Bytes at one edge of a total printed rounded to 0.01 GiB (torch's OutOfMemoryError message): ``edge`` -1
+    for the smallest value that prints so, +1 for the largest."""
+    return int((float(text) + edge * 0.005) * GIB)
+
+
+# One row per GPU model. Compute capability, SM count (each product's datasheet) and threads per SM (the CUDA C++
+# Programming Guide's table of compute capabilities) are NVIDIA's. Memory: the total the device reports, from a
+# recorded run or a published nvidia-smi / torch figure, the source named in each row; MODAL is the list of
+# nvidia-smi totals in github.com/modal-labs/modal-client/pull/2797 (2025-01-23). Not here: AWS's A10G, whose SM
+# count and reported total were found published nowhere (on one, the command asks the GPU itself).
+MODAL = "nvidia-smi total listed in github.com/modal-labs/modal-client/pull/2797"
 GPUS = {gpu.name: gpu for gpu in (
-    GpuModel("H200", (9, 0), 132, 2048, 141 * 10**9),     # the GPU of the recorded run (gpu-runs/2026-12-04-h200)
-    GpuModel("H100", (9, 0), 132, 2048, 80 * 10**9),      # SXM5
-    GpuModel("A100-80GB", (8, 0), 108, 2048, 80 * 10**9),
-    GpuModel("A100-40GB", (8, 0), 108, 2048, 40 * 10**9),
-    GpuModel("L4", (8, 9), 58, 1536, 24 * 10**9),
-    GpuModel("RTX4090", (8, 9), 128, 1536, 24 * 10**9),
-    GpuModel("A10", (8, 6), 72, 1536, 24 * 10**9),
-    GpuModel("V100", (7, 0), 80, 2048, 16 * 10**9),
-    GpuModel("T4", (7, 5), 40, 1024, 16 * 10**9),
+    GpuModel("H200", (9, 0), 132, 2048, 143_771 * MIB,
+             memory_source="nvidia-smi 143,771 MiB in the recorded run (gpu-runs/2026-12-04-h200/env.txt)"),
+    GpuModel("H100", (9, 0), 132, 2048, 81_559 * MIB,  # SXM5 80GB
+             memory_source=f"{MODAL}: 81,559 MiB (85,520,809,984 bytes)"),
+    GpuModel("A100-80GB", (8, 0), 108, 2048, 81_251 * MIB, memory_high=81_920 * MIB,
+             memory_source=f"nvidia-smi 81,251 MiB (A100-SXM4-80GB, driver 495; github.com/NVIDIA/mig-parted/"
+                           f"issues/31); {MODAL}: 81,920 MiB"),
+    GpuModel("A100-40GB", (8, 0), 108, 2048, 40_536 * MIB, memory_high=40_960 * MIB,
+             memory_source=f"nvidia-smi 40,536 MiB (A100-SXM, driver 470; github.com/nanopool/phoenix-miner/"
+                           f"issues/17); {MODAL}: 40,960 MiB"),
+    GpuModel("L4", (8, 9), 58, 1536, 23_034 * MIB, memory_source=f"{MODAL}: 23,034 MiB"),
+    GpuModel("RTX4090", (8, 9), 128, 1536, 24_564 * MIB,
+             memory_source="nvidia-smi 24,564 MiB (driver 550; github.com/RLinf/RLinf/issues/255)"),
+    GpuModel("A10", (8, 6), 72, 1536, 23_028 * MIB,
+             memory_source=f"{MODAL}: 23,028 MiB; NVML total 24,146,608,128 bytes (github.com/mayooot/detect-gpu/"
+                           f"issues/3)"),
+    GpuModel("V100-16GB", (7, 0), 80, 2048, 16_160 * MIB,
+             memory_source="nvidia-smi 16,160 MiB (V100-SXM2, driver 440; github.com/4paradigm/k8s-vgpu-scheduler/"
+                           "issues/7)"),
+    GpuModel("V100-32GB", (7, 0), 80, 2048, _gib("31.74", -1), memory_high=32_768 * MIB,
+             memory_source="torch: '31.74 GiB total capacity' (github.com/liucongg/ChatGLM-Finetuning/issues/73); "
+                           "nvidia-smi 32,768 MiB (V100-SXM2, driver 525; github.com/Wan-Video/Wan2.1/issues/5)"),
+    GpuModel("T4", (7, 5), 40, 1024, _gib("14.56", -1), memory_high=15_360 * MIB,
+             memory_source=f"torch on Colab: 'a total capacity of 14.56 GiB' (github.com/facebookresearch/tribev2/"
+                           f"issues/28) and 14.75 GiB (github.com/yifanlu0227/MIT-6.5940/issues/1), ECC on; "
+                           f"{MODAL}: 15,360 MiB"),
 )}
 
 

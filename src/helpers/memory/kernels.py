@@ -12,10 +12,12 @@ from torch.overrides import TorchFunctionMode
 from helpers.memory.gpu_facts import GPUS, GpuModel, attention_kernel
 from helpers.torch_private import fused_attention, native_dropout
 
-# What CUDA autocast does to the functions Net calls (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA lists):
-# linear, matmul and scaled_dot_product_attention run in the low-precision type; layer_norm, softmax,
-# log_softmax (inside cross_entropy) run in fp32; everything else (gelu, dropout, add) keeps its input's type.
-_LOWER_PRECISION = {nn.functional.linear, torch.matmul, nn.functional.scaled_dot_product_attention}
+# What CUDA autocast does to the functions the encoders call (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA lists):
+# linear, the matrix products (matmul, mm, bmm, addmm, baddbmm: DeBERTa's attention calls bmm) and
+# scaled_dot_product_attention run in the low-precision type; layer_norm, softmax, log_softmax (inside cross_entropy)
+# run in fp32; everything else (gelu, dropout, add) keeps its input's type.
+_LOWER_PRECISION = {nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                    nn.functional.scaled_dot_product_attention}
 _FP32 = {nn.functional.layer_norm, nn.functional.softmax, nn.functional.log_softmax, nn.functional.cross_entropy}
 PRECISION_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 """Each dtype a step computes in, by its name in helpers.memory.gpu_facts.PRECISIONS."""
@@ -103,7 +105,8 @@ class CudaLikeKernels(TorchFunctionMode):
             return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                               scale=scale)
         if kernel == "memory-efficient" and attn_mask is not None and attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attn_mask, float("-inf"))
             attn_mask = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # as aten's
             #                                                                           convert_boolean_attn_mask
         return fused_attention(kernel, query, key, value, attn_mask, dropout_p, is_causal, scale)

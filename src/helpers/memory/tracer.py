@@ -1,8 +1,10 @@
 """Trace the memory of one fine-tuning step, on fake tensors or real ones.
 
 Under ``FakeTensorMode`` tensors have shapes but no data, so a BERT-base step is traced on a laptop in a second
-or two without allocating its gigabytes. Two ways to count, both resting on private PyTorch code
-(helpers.torch_private):
+or two without allocating its gigabytes; tensors on PyTorch's ``meta`` device have shapes too, run the same ATen
+operators (FakeTensorMode computes its shapes with their meta kernels) and cost several times less, so a step
+replayed into a simulated GPU runs on ``meta`` (tests compare the two event by event). Two ways to count, both
+resting on private PyTorch code (helpers.torch_private):
 
 - PyTorch's own tracker, ``MemTracker`` (helpers.memory.tracker): it files every tensor under parameters,
   gradients, optimizer state, activations or temporaries and reports the peak of the bytes tensors ask for. It
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +34,10 @@ from helpers.memory.tracker import tracking
 from helpers.net import Net
 
 ATTENTION_KERNELS = ("sdpa", "eager")
+OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+"""How Adam runs its update, as the arguments of its construction: foreach (torch's default on CUDA since 2.0: a
+few kernels over lists of tensors, with parameter-sized temporaries), fused (one kernel, no temporaries, its step
+counts on the GPU) or for-loop (one tensor at a time, torch 1.x's only implementation)."""
 
 
 class NetFromConfig(Net):
@@ -44,6 +50,36 @@ class NetFromConfig(Net):
         self.bert = BertModel(config)
         self.linear = nn.Linear(config.hidden_size, num_labels)
 
+    @property
+    def encoder(self) -> nn.Module:
+        return self.bert
+
+
+class ClassifierFromConfig(nn.Module):
+    """transformers' sequence-classification model of any other encoder, randomly initialised from its config
+    (``AutoModelForSequenceClassification.from_config``, its ``num_labels``); ``forward`` returns the logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification, PreTrainedModel
+
+        self.encoder = AutoModelForSequenceClassification.from_config(config)
+        for module in self.encoder.modules():  # the check reads two token ids on the host (.item()), which meta
+            if isinstance(module, PreTrainedModel):  # tensors have not: the same tensors, without reading them
+                module.warn_if_padding_and_no_attention_mask = _padding_check_without_reading(config.pad_token_id)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _padding_check_without_reading(pad_token_id):
+    """transformers' ``warn_if_padding_and_no_attention_mask``, which a model without a mask calls on its ids: the
+    same comparison on the GPU, without reading its answer (a warning), so that meta tensors trace it."""
+    def check(input_ids, attention_mask):
+        if attention_mask is None and pad_token_id is not None:
+            (input_ids[:, [-1, 0]] == pad_token_id).any()
+    return check
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -54,17 +90,29 @@ class StepMemory:
     optimizer_peak: dict[str, int]  # the highest point of optimizer.step()
     requested_peak: int | None = None  # on a simulated GPU: the highest requested bytes of the step, which
     #                                     memory_stats()["requested_bytes.all.peak"] reports
+    reserved_peak: int | None = None  # on a simulated GPU: the segments reserved by the end of the step, its peak
+    #                                   (memory_stats()["reserved_bytes.all.peak"]: nothing empties the cache)
+    log: list | None = field(default=None, compare=False, repr=False)  # the simulated GPU's events
 
     @property
     def peak(self) -> dict[str, int]:
         return max(self.backward_peak, self.optimizer_peak, key=lambda snap: snap["total"])
 
 
-def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: int, accumulation: int = 1,
-               cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
-               seed: int = 0, device: SimulatedGpu | None = None,
-               gpu: GpuModel = GPUS["H200"]) -> StepMemory:
-    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
+def trace_step(model: nn.Module, batch_size: int, seq_len: int, **options) -> StepMemory:
+    """``trace_steps`` with one batch size: one Adam step of ``model`` after a warm-up."""
+    return trace_steps(model, (batch_size,), seq_len, **options)[0]
+
+
+def trace_steps(model: nn.Module, batch_sizes: tuple[int, ...], seq_len: int, *, vocab_size: int,
+                accumulation: int = 1, cuda_dropout: bool = True, fused_attention: bool = False,
+                amp_dtype: torch.dtype | None = None, seed: int = 0, device: SimulatedGpu | None = None,
+                gpu: GpuModel = GPUS["H200"], optimizer_impl: str = "foreach",
+                set_to_none: bool = True) -> list[StepMemory]:
+    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state, for each of
+    ``batch_sizes``: each step after the first starts from what the warm-up left (the step before leaves the model,
+    Adam and the scaler as the warm-up did), so one warm-up serves several batch sizes. On a ``device``, each step's
+    log is the warm-up's events followed by its own, as if it had been traced alone (tests compare the two).
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
     ``batch_size // accumulation`` examples each add their gradients before the single optimizer step.
@@ -79,11 +127,18 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
+
+    ``optimizer_impl`` (one of ``OPTIMIZER_IMPLS``) says how Adam is built; ``set_to_none`` is what
+    ``optimizer.zero_grad`` is called with: True frees the gradients (torch 2.x's default), False zeroes them in place
+    and keeps them through the next step's forward and backward (torch 1.x's default).
     """
-    if batch_size % accumulation:
-        raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
+    for batch_size in batch_sizes:
+        if batch_size % accumulation:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of accumulation={accumulation}")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r}: expected one of {', '.join(OPTIMIZER_IMPLS)}")
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default implementation
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
     generator = torch.Generator().manual_seed(seed)
     kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, gpu)
     scaler = torch.amp.GradScaler("cpu") if amp_dtype == torch.float16 else None  # fake tensors live on the CPU
@@ -91,8 +146,8 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
 
     def batch(size, length):
         with watch.phase("batch"):
-            return (torch.randint(0, vocab_size, (size, length), generator=generator),
-                    torch.randint(0, 2, (size,), generator=generator))
+            return (_random_ids(vocab_size, (size, length), generator, model),
+                    _random_ids(2, (size,), generator, model))
 
     def forward_backward(input_ids, labels, record=False):
         with watch.phase("activations"), kernels:
@@ -110,7 +165,7 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
                 scaler.unscale_(optimizer)
         with watch.phase("optimizer"):
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
         if scaler:
             with watch.phase("scaler"):
                 scaler.update()
@@ -119,16 +174,38 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     # a gradient (not the pooler, which Net's loss does not use).
     forward_backward(*batch(1, 8))
     optimizer_step()
-    input_ids, labels = batch(batch_size // accumulation, seq_len)
-    with watch.step():
-        after_forward = forward_backward(input_ids, labels, record=True)
-        for _ in range(accumulation - 1):
-            watch.next_micro_batch()
-            forward_backward(input_ids, labels)
-    backward_peak = watch.peak
-    with watch.step():
-        optimizer_step()
-    return StepMemory(after_forward, backward_peak, watch.peak, device.allocator.peak_requested if device else None)
+    watch.warmed_up()
+    steps = []
+    for batch_size in batch_sizes:
+        watch.restart()
+        input_ids, labels = batch(batch_size // accumulation, seq_len)
+        with watch.step():
+            after_forward = forward_backward(input_ids, labels, record=True)
+            for _ in range(accumulation - 1):
+                watch.next_micro_batch()
+                forward_backward(input_ids, labels)
+        backward_peak = watch.peak
+        with watch.step():
+            optimizer_step()
+        steps.append(watch.result(after_forward, backward_peak))
+        del input_ids, labels
+    return steps
+
+
+def memory_of_log(gpu: GpuModel, log: list) -> StepMemory:
+    """The ``StepMemory`` a simulated GPU's log (``SimulatedGpu.log``) gives when it runs on a fresh ``gpu``."""
+    device = SimulatedGpu.run(gpu, log)
+    readings = device.readings
+    return StepMemory(readings["after_forward"], readings["backward_peak"], readings["optimizer_peak"],
+                      device.allocator.peak_requested, device.allocator.reserved, log)
+
+
+def _random_ids(high: int, shape: tuple[int, ...], generator: torch.Generator, model: nn.Module) -> torch.Tensor:
+    """Random ids below ``high`` on the device of ``model``'s weights; on ``meta``, where there are no values, a tensor
+    of the same shape and dtype."""
+    if next(model.parameters()).device.type == "meta":
+        return torch.empty(shape, dtype=torch.long, device="meta")
+    return torch.randint(0, high, shape, generator=generator)
 
 
 class _TrackerWatch:
@@ -148,6 +225,15 @@ class _TrackerWatch:
     def next_micro_batch(self) -> None:
         pass  # tracking() starts the tracker's module statistics afresh at each forward
 
+    def warmed_up(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass  # step() starts a fresh tracker
+
+    def result(self, after_forward, backward_peak) -> StepMemory:
+        return StepMemory(after_forward, backward_peak, self.peak)
+
     @contextlib.contextmanager
     def step(self):
         with tracking(self.model, self.optimizer) as self.tracking:  # a fresh tracker for each part: its own peak
@@ -162,6 +248,7 @@ class _DeviceWatch:
 
     def __init__(self, device: SimulatedGpu, model):
         self.device, self.peak = device, None
+        self.warm_up, self.start = 0, 0  # where the warm-up's events end, and the step's begin, in the device's log
         for parameter in model.parameters():
             parameter.register_post_accumulate_grad_hook(lambda p: device.gradient(p.grad))
 
@@ -169,35 +256,60 @@ class _DeviceWatch:
     def phase(self, name, backward=False):
         device = self.device
         before = device.phase, device.backward
-        device.phase, device.backward = name, backward
+        device.enter(name, backward)
         try:
             with device.replay():
                 yield
         finally:
-            device.phase, device.backward = before
+            device.enter(*before)
 
     def now(self) -> dict[str, int]:
-        return self.device.now()
+        return self.device.read("after_forward")
 
     def next_micro_batch(self) -> None:
         pass
 
+    def warmed_up(self) -> None:
+        self.warm_up = len(self.device.log)
+
+    def restart(self) -> None:
+        """The next ``step()`` starts as the first after the warm-up does."""
+        self.peak, self.start = None, len(self.device.log)
+        self.device.readings.clear()
+
+    def result(self, after_forward, backward_peak) -> StepMemory:
+        """The step since ``restart()``: its readings, and the warm-up's events with its own."""
+        log = self.device.log[:self.warm_up] + self.device.log[self.start:]
+        if self.start == self.warm_up:
+            allocator = self.device.allocator
+            return StepMemory(after_forward, backward_peak, self.peak, allocator.peak_requested, allocator.reserved,
+                              log)
+        return memory_of_log(self.device.gpu, log)
+
     @contextlib.contextmanager
     def step(self):
         if self.peak is None:
-            self.device.allocator.reset_peaks()
+            self.device.reset_peaks()
             gc.collect()  # garbage freed in mid-step would free blocks at an arbitrary point
         self.device.watch()
+        enabled = gc.isenabled()
         gc.disable()
         try:
             yield
         finally:
-            gc.enable()
-        self.peak = self.device.peak
+            if enabled:
+                gc.enable()
+        self.peak = self.device.keep_peak("optimizer_peak" if "backward_peak" in self.device.readings
+                                          else "backward_peak")
 
 
-def build_model(config, attention: str = "sdpa", checkpointing: bool = False, device: str = "meta") -> NetFromConfig:
-    """``NetFromConfig`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
+def build_model(config, attention: str = "sdpa", checkpointing: bool = False, device: str = "meta",
+                num_labels: int | None = None) -> nn.Module:
+    """The model of ``config`` with the attention code path and checkpointing set; on ``meta`` it has shapes only.
+
+    A BERT config gives ``NetFromConfig`` (the project's ``Net``, which helpers.finetune trains: BERT with its pooler
+    and a linear head on [CLS], ``num_labels`` outputs, default 2); any other encoder gives ``ClassifierFromConfig``
+    (transformers' own head, the config's ``num_labels`` unless ``num_labels`` is given).
 
     ``attention="sdpa"`` (transformers' default) calls ``scaled_dot_product_attention``, traced as the kernel
     the GPU picks (``helpers.memory.gpu_facts.sdpa_kernel``); ``"eager"`` (the memo's era) computes softmax(QK^T)
@@ -207,16 +319,34 @@ def build_model(config, attention: str = "sdpa", checkpointing: bool = False, de
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KERNELS}")
-    config = config.__class__(**(config.to_dict() | {"attn_implementation": attention}))
+    settings = {"attn_implementation": attention} | ({"num_labels": num_labels} if num_labels else {})
+    config = config.__class__(**(config.to_dict() | settings))
     with torch.device(device):
-        model = NetFromConfig(config)
+        model = (NetFromConfig(config, num_labels or 2) if config.model_type == "bert"
+                 else ClassifierFromConfig(config))
     if checkpointing:
         def contexts():  # called at each checkpointed layer's forward; the second runs its recomputation
             return contextlib.nullcontext(), _recomputation(CudaLikeKernels.for_recomputation(),
                                                             SimulatedGpu.replaying[-1:])
 
-        model.bert.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
+        model.encoder.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
     return model
+
+
+def classifier_class(config) -> type | None:
+    """transformers' sequence-classification class for ``config``'s model type, or None where it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+
+
+def default_attention(config) -> str:
+    """The attention transformers picks for ``config``'s model by default: sdpa where the model implements it
+    (BERT, RoBERTa, DistilBERT, ModernBERT), else eager (DeBERTa-v2)."""
+    if config.model_type == "bert":
+        return "sdpa"
+    model = classifier_class(config)
+    return "sdpa" if model is not None and model._supports_sdpa else "eager"
 
 
 @contextlib.contextmanager
@@ -227,17 +357,53 @@ def _recomputation(kernels, devices):
         yield
 
 
-def trace_fake(config, batch_size: int, seq_len: int, *, attention: str = "sdpa", checkpointing: bool = False,
-               cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None, gpu: GpuModel | None = None,
-               environ: dict[str, str] | None = None, **options) -> StepMemory:
-    """``trace_step`` on fake tensors: the model is built on ``meta`` (no memory) and given fake storage
-    with ``to_empty`` inside ``FakeTensorMode``. With a ``gpu``, attention is traced as the kernel that GPU picks
-    and the step is replayed into its simulated allocator (``SimulatedGpu``, workspaces from ``environ``)."""
-    model = build_model(config, attention, checkpointing)
-    device = SimulatedGpu(gpu, environ) if gpu else None
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with device.replay() if device else contextlib.nullcontext():  # the weights
-            model.to_empty(device="cpu")
-        return trace_step(model, batch_size, seq_len, vocab_size=config.vocab_size, cuda_dropout=cuda_dropout,
-                          fused_attention=attention == "sdpa", amp_dtype=amp_dtype, device=device,
-                          gpu=gpu or GPUS["H200"], **options)
+def trace_fake(config, batch_size: int, seq_len: int, **options) -> StepMemory:
+    """``trace_fake_steps`` of one batch size."""
+    return trace_fake_steps(config, (batch_size,), seq_len, **options)[0]
+
+
+def trace_fake_steps(config, batch_sizes: tuple[int, ...], seq_len: int, *, attention: str = "sdpa",
+                     checkpointing: bool = False, cuda_dropout: bool = True, amp_dtype: torch.dtype | None = None,
+                     gpu: GpuModel | None = None, environ: dict[str, str] | None = None, num_labels: int | None = None,
+                     optimizer_impl: str = "foreach", fake: bool = False, **options) -> list[StepMemory]:
+    """``trace_steps`` without real memory: the model is built on ``meta`` and given storage there.
+
+    With a ``gpu``, attention is traced as the kernel that GPU picks and the step is replayed into its simulated
+    allocator (``SimulatedGpu``, workspaces from ``environ``), on meta tensors; fused Adam, which refuses them, and
+    PyTorch's MemTracker (no ``gpu``) run on fake ones (``FakeTensorMode``, the storage fake CPU tensors; ``fake``:
+    those for a simulated GPU too, as tests compare). The
+    garbage collector is paused for the whole trace, so that what it frees, and when, does not depend on what the
+    process did before; objects older than the trace are left out of its collections (``gc.freeze``), which keeps
+    them cheap."""
+    model = build_model(config, attention, checkpointing, num_labels=num_labels)
+    step = dict(vocab_size=config.vocab_size, cuda_dropout=cuda_dropout, fused_attention=attention == "sdpa",
+                amp_dtype=amp_dtype, gpu=gpu or GPUS["H200"], optimizer_impl=optimizer_impl, **options)
+    with _collector_paused():
+        if gpu and optimizer_impl != "fused" and not fake:
+            device = SimulatedGpu(gpu, environ)
+            with device.replay():  # the weights
+                model.to_empty(device="meta")
+            return trace_steps(model, batch_sizes, seq_len, device=device, **step)
+        device = SimulatedGpu(gpu, environ, step_counts_on_gpu=optimizer_impl == "fused") if gpu else None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with device.replay() if device else contextlib.nullcontext():  # the weights
+                model.to_empty(device="cpu")
+            return trace_steps(model, batch_sizes, seq_len, device=device, **step)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic collection inside; objects made before are frozen (left out of collections) unless something
+    froze objects already."""
+    freeze = gc.get_freeze_count() == 0
+    enabled = gc.isenabled()
+    if freeze:
+        gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        if freeze:
+            gc.unfreeze()
