@@ -223,7 +223,10 @@ def test_device_cuda_without_cuda_is_refused(monkeypatch):
 
 
 def test_deterministic_sets_every_switch(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # setenv first, so that monkeypatch restores the variable's absence after the test: a leaked ":4096:8" changes
+    # every later memory prediction that reads the environment (the cuBLAS workspaces)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset by the test")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     try:
         use_deterministic_algorithms()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
