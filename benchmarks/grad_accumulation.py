@@ -72,7 +72,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": seconds, "traffic": traffic,
                                          "gradient_bytes": 4 * sum(p.numel() for p in model.parameters())}))
-    leave_process_group()  # the counter's hook keeps the model alive: `del model` would not free its reducer
+    leave_process_group(model)
 
 
 def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 32, micro_batches: int = 4,
