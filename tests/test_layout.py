@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import helpers.memory
 from helpers.checks.notebook_env import lessons_then_solutions
 
@@ -151,9 +152,30 @@ def test_notebooks_use_the_memory_predictor_through_its_front_door():
     assert {name for name in used if name.startswith("helpers.memory.")} == set()
 
 
-def test_the_front_door_exports_names_that_exist():
-    for name in helpers.memory.__all__:
-        assert getattr(helpers.memory, name) is not None, name
+def defined_at_top_level(path: Path) -> set[str]:
+    """The names a module's own source defines at its top level: functions, classes and assignments."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return names
+
+
+def test_the_front_door_hands_out_each_name_from_the_module_that_defines_it():
+    """Each exported name is the very object of the module ``EXPORTS`` files it under, and that module's source
+    defines it (a name filed under a module that only imports it, or under none, fails here); unknown names raise."""
+    for key, names in helpers.memory.EXPORTS.items():
+        module = helpers.memory.module_of(key)
+        assert set(names) <= defined_at_top_level(MODULES[module]), (module, set(names) - defined_at_top_level(
+            MODULES[module]))
+        for name in names:
+            assert getattr(helpers.memory, name) is getattr(sys.modules[module], name), name
+    assert helpers.memory.__all__ == sorted(name for names in helpers.memory.EXPORTS.values() for name in names)
+    with pytest.raises(AttributeError, match="module 'helpers.memory' has no attribute 'trace_step'"):
+        helpers.memory.trace_step  # defined in helpers.memory.tracer, not exported
 
 
 def test_every_top_level_module_is_used_by_a_notebook_or_the_entry_point():
@@ -293,9 +315,44 @@ def test_no_module_but_torch_private_reaches_into_private_torch_or_python():
     assert private_accesses_in_the_package() == []
 
 
+def dropped_causes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for each ``raise`` that loses the exception it handles: ``raise ... from None`` anywhere, and a
+    new exception raised inside an ``except`` block without ``from`` (Python keeps only ``__context__`` then, which
+    the traceback shows as "During handling ... another exception occurred", not as the cause). Re-raising the
+    handled exception itself, and raising in a function defined inside the block, do not count."""
+    found = []
+
+    def visit(node: ast.AST, handler: ast.ExceptHandler | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                visit(child, None)
+                continue
+            if isinstance(child, ast.Raise):
+                if isinstance(child.cause, ast.Constant) and child.cause.value is None:
+                    found.append((child.lineno, "from None"))
+                elif handler is not None and child.exc is not None and child.cause is None and not (
+                        isinstance(child.exc, ast.Name) and child.exc.id == handler.name):
+                    found.append((child.lineno, f"raise {ast.unparse(child.exc)} without from"))
+            visit(child, child if isinstance(child, ast.ExceptHandler) else handler)
+
+    visit(tree, None)
+    return found
+
+
+def test_the_cause_finder_sees_a_lost_cause_and_lets_a_kept_one_pass():
+    source = ("try:\n    f()\nexcept OSError as error:\n    raise ValueError('x') from error\n"  # kept
+              "try:\n    f()\nexcept OSError as error:\n    raise error\n"  # re-raised
+              "try:\n    f()\nexcept OSError:\n    raise\n"  # re-raised
+              "try:\n    f()\nexcept OSError:\n    raise ValueError('x')\n"  # lost: line 16
+              "try:\n    f()\nexcept OSError as error:\n    raise ValueError('x') from None\n"  # hidden: line 20
+              "try:\n    f()\nexcept OSError:\n    def later():\n        raise ValueError('y')\n"
+              "raise ValueError('z')\n")  # outside any block
+    assert dropped_causes(ast.parse(source)) == [(16, "raise ValueError('x') without from"), (20, "from None")]
+
+
 def test_no_error_drops_its_cause():
-    """`raise ... from None` hides the exception that says what really went wrong; keep it as the cause."""
-    hiding = [f"{path.relative_to(PACKAGE)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
-              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-              if "from None" in line.split("#")[0]]
-    assert hiding == []
+    """Bad input gets an error naming its cause that keeps the original exception as its cause (``raise ... from
+    error``): the traceback then shows what really went wrong."""
+    dropped = [f"{path.relative_to(PACKAGE)}:{line}: {what}" for path in sorted(PACKAGE.rglob("*.py"))
+               for line, what in dropped_causes(ast.parse(path.read_text(encoding="utf-8")))]
+    assert dropped == []

@@ -30,6 +30,7 @@ from helpers.memory.simulated_gpu import SimulatedGpu
 from helpers.torch_private import FakeTensorMode
 from helpers.memory.tracker import tracking
 from helpers.net import Net
+from helpers.step import train_step
 
 ATTENTION_KERNELS = ("sdpa", "eager")
 
@@ -64,7 +65,8 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
                cuda_dropout: bool = True, fused_attention: bool = False, amp_dtype: torch.dtype | None = None,
                seed: int = 0, device: SimulatedGpu | None = None,
                gpu: GpuModel = GPUS["H200"]) -> StepMemory:
-    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state.
+    """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state: the step training
+    takes (``helpers.step.train_step``), each of its parts filed under the category of what it makes.
 
     Works on real tensors and, inside ``FakeTensorMode``, on fake ones. ``accumulation`` micro-batches of
     ``batch_size // accumulation`` examples each add their gradients before the single optimizer step.
@@ -75,7 +77,8 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     gradients once before the optimizer step, as ``--amp fp16`` trains: its tensors (the scale, the growth
     tracker, the scaled loss, the inverse scale and found_inf with their per-device copies) are traced with the
     optimizer's state. ``scaler.step`` would also read found_inf on the host (``.item()``), which a fake tensor
-    cannot and which allocates nothing on the GPU, so the step is ``unscale_``, ``optimizer.step``, ``update``.
+    cannot and which allocates nothing on the GPU, so the step reads no value (``host_reads=False``): ``unscale_``,
+    ``optimizer.step``, ``update``.
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
@@ -88,47 +91,65 @@ def trace_step(model: nn.Module, batch_size: int, seq_len: int, *, vocab_size: i
     kernels = CudaLikeKernels(cuda_dropout, fused_attention, amp_dtype, gpu)
     scaler = torch.amp.GradScaler("cpu") if amp_dtype == torch.float16 else None  # fake tensors live on the CPU
     watch = _DeviceWatch(device, model) if device else _TrackerWatch(model, optimizer)
+    phases = _StepPhases(watch, kernels)
 
     def batch(size, length):
         with watch.phase("batch"):
-            return (torch.randint(0, vocab_size, (size, length), generator=generator),
-                    torch.randint(0, 2, (size,), generator=generator))
-
-    def forward_backward(input_ids, labels, record=False):
-        with watch.phase("activations"), kernels:
-            loss = nn.functional.cross_entropy(model(input_ids), labels) / accumulation
-        after_forward = watch.now() if record else None
-        with watch.phase("scaler"):
-            scaled = scaler.scale(loss) if scaler else loss  # the loss itself stays alive, as a training loop keeps it
-        with watch.phase("temporaries", backward=True):
-            scaled.backward()
-        return after_forward
-
-    def optimizer_step():
-        if scaler:
-            with watch.phase("scaler"):
-                scaler.unscale_(optimizer)
-        with watch.phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad()
-        if scaler:
-            with watch.phase("scaler"):
-                scaler.update()
+            return {"input_ids": torch.randint(0, vocab_size, (size, length), generator=generator),
+                    "labels": torch.randint(0, 2, (size,), generator=generator)}
 
     # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
     # a gradient (not the pooler, which Net's loss does not use).
-    forward_backward(*batch(1, 8))
-    optimizer_step()
-    input_ids, labels = batch(batch_size // accumulation, seq_len)
-    with watch.step():
-        after_forward = forward_backward(input_ids, labels, record=True)
-        for _ in range(accumulation - 1):
-            watch.next_micro_batch()
-            forward_backward(input_ids, labels)
-    backward_peak = watch.peak
-    with watch.step():
-        optimizer_step()
-    return StepMemory(after_forward, backward_peak, watch.peak, device.allocator.peak_requested if device else None)
+    train_step(model, [batch(1, 8)], optimizer, scaler=scaler, phase=phases, host_reads=False)
+    micro_batch = batch(batch_size // accumulation, seq_len)
+    with phases.measuring():
+        train_step(model, [micro_batch] * accumulation, optimizer, scaler=scaler, phase=phases, host_reads=False)
+    return StepMemory(phases.after_forward, phases.peaks["micro-batches"], phases.peaks["update"],
+                      device.allocator.peak_requested if device else None)
+
+
+class _StepPhases:
+    """train_step's parts as trace_step sees them: each under the category of what it makes, the forward under
+    CUDA-like kernels (which emulate CUDA's autocast, so train_step's own stays off). While ``measuring``, the
+    micro-batches and the update are traced as two parts with a peak each, and what is held when the first backward
+    starts is kept (``after_forward``)."""
+
+    CATEGORIES = {"forward": "activations", "scale": "scaler", "backward": "temporaries", "unscale": "scaler",
+                  "optimizer": "optimizer", "update": "scaler"}
+
+    def __init__(self, watch, kernels: CudaLikeKernels):
+        self.watch, self.kernels = watch, kernels
+        self.part, self.parts = None, contextlib.ExitStack()  # while measuring: the part traced now
+        self.peaks, self.after_forward = {}, None
+
+    @contextlib.contextmanager
+    def measuring(self):
+        self.part = "start"
+        try:
+            yield
+        finally:
+            self.begin(None)
+
+    def begin(self, part: str | None) -> None:
+        """End the part traced now (keeping its peak), and trace ``part`` with a fresh watch of its own."""
+        if self.part in ("micro-batches", "update"):
+            self.parts.close()
+            self.peaks[self.part] = self.watch.peak
+        self.part = part
+        if part is not None:
+            self.parts.enter_context(self.watch.step())
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.part is not None:
+            part = "update" if name in ("unscale", "optimizer", "update") else "micro-batches"
+            if part != self.part:
+                self.begin(part)
+            if name == "scale" and self.after_forward is None:
+                self.after_forward = self.watch.now()
+        with self.watch.phase(self.CATEGORIES[name], backward=name == "backward"):
+            with self.kernels if name == "forward" else contextlib.nullcontext():
+                yield
 
 
 class _TrackerWatch:
@@ -144,9 +165,6 @@ class _TrackerWatch:
 
     def now(self) -> dict[str, int]:
         return self.tracking.categories("current")
-
-    def next_micro_batch(self) -> None:
-        pass  # tracking() starts the tracker's module statistics afresh at each forward
 
     @contextlib.contextmanager
     def step(self):
@@ -178,9 +196,6 @@ class _DeviceWatch:
 
     def now(self) -> dict[str, int]:
         return self.device.now()
-
-    def next_micro_batch(self) -> None:
-        pass
 
     @contextlib.contextmanager
     def step(self):
