@@ -171,9 +171,9 @@ class Product(torch.nn.Module):
 def test_fp16_keeps_a_gradient_below_its_range_only_with_the_scaler_it_gets_and_bf16_and_fp32_need_none():
     """A loss of 2**-26 x the sum of 4 logits, in fp32 as autocast computes losses, gives each weight the gradient
     4 x 2**-26 = 2**-24, computed here by hand. Into fp16's matrix product the logits' gradient, 2**-26, is below
-    fp16's smallest number (2**-24) and rounds to zero, unless the scaler that ``gradient_scaler("fp16")`` gives multiplies the loss first (and divides
-    the gradient again before the update); bf16, with fp32's range, and fp32 keep it without the scaler they get
-    (none). Seen by the optimizer, in a real ``train_step`` on this CPU."""
+    fp16's smallest number (2**-24) and rounds to zero, unless the scaler ``gradient_scaler("fp16")`` gives
+    multiplies the loss first (and divides the gradient again before the update); bf16, with fp32's range, and fp32
+    keep it without the scaler they get (none). Seen by the optimizer, in a real ``train_step`` on this CPU."""
     batch = {"input_ids": torch.ones(4, 4), "labels": torch.zeros(4)}
     stepped_with = {}
     for name, choice in (("fp32", None), ("bf16", "bf16"), ("fp16", "fp16"), ("fp16 without its scaler", "fp16")):

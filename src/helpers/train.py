@@ -1,5 +1,6 @@
-"""The fine-tuning loop of the series, for one process or many: one epoch of training, an evaluation, both together
-per epoch (with checkpoints), and a step's cost."""
+"""The fine-tuning loop of the series, for one process or many: ``fit`` trains epochs and evaluates after each (with
+checkpoints), ``train_epoch`` takes one pass of optimizer steps (``helpers.step.train_step``) with the run's progress
+kept at each step boundary; and a step's cost."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
             progress.skipped_steps += 1
             say(f"step {progress.step}: inf or nan in the gradients, update skipped; gradient scale lowered to "
                 f"{scaler.get_scale():g} ({progress.skipped_steps} skipped so far)")
-        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 and progress.batch < len(loader):
+        last = progress.batch == len(loader)  # the epoch's last step is saved by fit, with the epoch's evaluation
+        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 and not last:
             checkpoints.save(model, optimizer, scheduler, progress, scaler=scaler)
         if after_step is not None:
             after_step(loss, index + 1, updated)
@@ -140,7 +142,7 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     ``train_loss`` is the mean of the epoch's step losses, which are kept in ``batch_losses`` for plots;
     ``timed`` adds the epoch's training ``seconds``. ``accumulation`` and ``amp``: as in ``train_epoch``; the
     scheduler steps once per optimizer step. fp16 (``amp=torch.float16``) needs a gradient ``scaler``
-    (``torch.amp.GradScaler``, see ``optimizer_step``): each step it skips is printed, and counted in the row's
+    (``torch.amp.GradScaler``, see helpers.step): each step it skips is printed, and counted in the row's
     ``skipped_steps``; the checkpoints keep its state. With ``checkpoints`` the run is saved as it goes (every
     ``checkpoints.every`` steps and after each epoch), and a run started again continues from the latest
     checkpoint to exactly the weights it would have reached uninterrupted (``resume=False``: it starts afresh
@@ -163,8 +165,9 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     for epoch in range(progress.epoch + 1, epochs + 1):
         set_sampler_epoch(train_loader, epoch)
         start = time.perf_counter()
-        batch_losses = train_epoch(model, train_loader, optimizer, scheduler, progress=progress, checkpoints=checkpoints,
-                                   resume_rng=resume_rng, accumulation=accumulation, amp=amp, scaler=scaler)
+        batch_losses = train_epoch(model, train_loader, optimizer, scheduler, progress=progress,
+                                   checkpoints=checkpoints, resume_rng=resume_rng, accumulation=accumulation, amp=amp,
+                                   scaler=scaler)
         resume_rng = None
         row = {"epoch": epoch, "train_loss": mean_over_processes(batch_losses, input_device(model))}
         row |= ({"seconds": time.perf_counter() - start} if timed else {}) | {"batch_losses": batch_losses}
