@@ -184,4 +184,5 @@ def test_fp16_keeps_a_gradient_below_its_range_only_with_the_scaler_it_gets_and_
         scaler = None if name.endswith("without its scaler") else levers.gradient_scaler(choice, torch.device("cpu"))
         train_step(model, [batch], optimizer, loss_fn=lambda logits, labels: logits.float().sum() * 2.0**-26,
                    amp=levers.amp_dtype(choice), scaler=scaler)
-    assert stepped_with == {"fp32": [2.0**-24], "bf16": [2.0**-24], "fp16": [2.0**-24], "fp16 without its scaler": [0.0]}
+    assert stepped_with == {"fp32": [2.0**-24], "bf16": [2.0**-24], "fp16": [2.0**-24],
+                            "fp16 without its scaler": [0.0]}

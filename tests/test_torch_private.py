@@ -1,6 +1,7 @@
 """The private PyTorch surfaces of helpers.torch_private: the version check warns once on another torch and
 stays silent on the tested one, a missing surface or changed signature fails in one line naming the torch the
-series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) are this torch's."""
+series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) and what holds a process
+group are this torch's."""
 
 import json
 import subprocess

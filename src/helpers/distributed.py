@@ -105,10 +105,12 @@ def leave_process_group(*models: nn.Module) -> None:
     the GIL, which one of them may be waiting for: a hang.
 
     So every rank waits until all are done, and drops what holds the group: the DDP models it is given, and the
-    group's device meshes with FSDP2's views of them (``release_meshes``; out of the caller's reach, in torch's
-    caches, and of no use once the group is gone). Garbage collection frees what only cycles kept (FSDP2's module
-    states; a model whose communication hook holds it strongly would stay, so hooks here hold no model). Then the
-    group is destroyed: its last owner gone, it joins its threads there, with the GIL released, while Python is whole.
+    meshes of the groups being destroyed with FSDP2's views of them (``torch_private.release_meshes``): torch's
+    caches keep a mesh out of the caller's reach long after its model, and an FSDP2 model of this group kept past
+    it no longer communicates. Garbage collection frees what only cycles kept (FSDP2's module states; a model whose
+    communication hook held it would stay, so hooks here hold no model: helpers.accumulation.CollectiveCounter).
+    Then the group is destroyed: its last owner gone, it joins its threads there, with the GIL released, while
+    Python is whole.
     """
     barrier()
     for model in models:

@@ -1,15 +1,16 @@
 """Every private PyTorch surface the package rests on, in one place: the memory predictor's (fake tensors, the
-trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``) and the
-memory snapshot of notebook 05's appendix (``recording_memory_history``). Nothing else in ``src/`` touches a private
-name of torch (tests/test_layout.py).
+trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``), the
+memory snapshot of notebook 05's appendix (``recording_memory_history``), what holds a process group after it is
+destroyed (``release_ddp``, ``release_meshes``: helpers.distributed) and torch.compile's wrapper (``compiled_inner``:
+helpers.wrapping). Nothing else in ``src/`` touches a private name of torch or CPython (tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
 torch it warns once, on import (FIELD-NOTES: torch 2.14.1 ran everything); where a surface is really gone, or an
 operator called with positional arguments has changed its signature, it raises ``TorchSurfaceMissing``, one line
 naming the torch the series needs. The cheap surfaces are checked on import; the trackers, whose modules import
-TorchDynamo (about 1.5 s), and the CUDA-only functions when they are first used. CONTRIBUTING.md ("Upgrading
-torch") says what to re-read in PyTorch's source and which test pins which fact.
+TorchDynamo (about 1.5 s), the CUDA-only functions and the process groups' holders when they are first used.
+CONTRIBUTING.md ("Upgrading torch") says what to re-read in PyTorch's source and which test pins which fact.
 """
 
 from __future__ import annotations
