@@ -74,7 +74,7 @@ def worker(rank: int, world_size: int, threads: int, port: int, args: argparse.N
         rates.append(args.global_batch * args.steps / (time.perf_counter() - start))
     if rank == 0:
         Path(out).write_text(" ".join(map(str, rates)))
-    leave_process_group()
+    leave_process_group(model)
 
 
 def measure(world_size: int, threads: int, args: argparse.Namespace) -> list[float]:

@@ -1,6 +1,6 @@
 """Seconds per optimizer step of 2-process DDP (gloo, CPU) with 4 micro-batches per step: the loop most examples use
 (``helpers.accumulation.accumulate_naively``: an all-reduce of every gradient bucket on each micro-batch) against
-``helpers.train.accumulate`` (``no_sync`` on all but the last micro-batch: one round per step), and the bytes each
+``helpers.step.train_step`` (``no_sync`` on all but the last micro-batch: one round per step), and the bytes each
 all-reduces per step (counted with a DDP communication hook, ``helpers.accumulation.CollectiveCounter``).
 
     python benchmarks/grad_accumulation.py        # about a minute on 2 cores
@@ -33,7 +33,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     from helpers.accumulation import CollectiveCounter, accumulate_naively
     from helpers.distributed import leave_process_group
     from helpers.net import Net
-    from helpers.train import accumulate
+    from helpers.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -46,7 +46,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     batches = [{"input_ids": torch.randint(5, 5000, (micro, args.seq_len), generator=generator),
                 "attention_mask": torch.ones(micro, args.seq_len, dtype=torch.long),
                 "labels": torch.randint(0, 2, (micro,), generator=generator)} for _ in range(args.micro_batches)]
-    loops = {"naive": accumulate_naively, "no_sync": accumulate}
+    loops = {"naive": accumulate_naively, "no_sync": train_step}
 
     def step(loop: str) -> None:
         loops[loop](model, batches)
@@ -72,7 +72,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": seconds, "traffic": traffic,
                                          "gradient_bytes": 4 * sum(p.numel() for p in model.parameters())}))
-    leave_process_group()  # the counter's hook keeps the model alive: `del model` would not free its reducer
+    leave_process_group(model)
 
 
 def run(rounds: int = 3, windows: int = 4, steps: int = 3, global_batch: int = 32, micro_batches: int = 4,

@@ -20,7 +20,7 @@ from helpers.equivalence import gradients, loss_and_backward, reference_net, sha
 from helpers.fsdp import prepare, wrap
 from helpers.levers import amp_dtype, fsdp_mixed_precision, gradient_scaler
 from helpers.models import load_tokenizer
-from helpers.train import accumulate
+from helpers.step import train_step
 from helpers.wrapping import unwrap
 
 EXAMPLES, MICRO_BATCHES = 16, 2
@@ -35,15 +35,15 @@ def relative_error(mine: dict[str, torch.Tensor], reference: dict[str, torch.Ten
 
 
 def gradient_errors(strategy: str, examples: list, collate, device: torch.device, seed: int = 0) -> dict:
-    """For ``strategy`` ("plain": the model unwrapped, in one process; "ddp"; "fsdp"): one step's gradients on this
+    """For ``strategy`` ("plain": the model unwrapped, in one process; "ddp"; "fsdp"): one optimizer step on this
     rank's share of ``examples`` in MICRO_BATCHES micro-batches, under ``--amp fp16`` and ``--amp bf16`` as
-    helpers.finetune trains (autocast, FSDP2's MixedPrecisionPolicy, fp16's gradient scaler, unscaled once after
-    the last micro-batch), each as its relative error against one process in fp32 on the whole batch (dropout
-    off). Every rank must call it.
+    helpers.finetune trains (``train_step``: autocast, FSDP2's MixedPrecisionPolicy, fp16's gradient scaler), and the
+    gradients the optimizer steps with (seen by a step pre-hook), each as its relative error against one process in
+    fp32 on the whole batch (dropout off). Every rank must call it.
 
-    A step whose fp16 gradients overflow is skipped as training skips it (the scaler halves its scale) and taken
-    again; ``skipped`` counts those, ``scale`` is the scale of the step compared. Every rank must agree on a skip
-    (FSDP2: the scaler finds inf in any rank's shard on every rank), or they would part ways here.
+    A step whose fp16 gradients overflow is skipped as training skips it (the scaler halves its scale; the optimizer
+    never sees it) and taken again; ``skipped`` counts those, ``scale`` is the scale of the step compared. Every rank
+    must agree on a skip (FSDP2: the scaler finds inf in any rank's shard on every rank), or they would part ways.
     """
     mine = share(examples, MICRO_BATCHES)
     fp32 = reference_net(None, device, seed)
@@ -57,19 +57,15 @@ def gradient_errors(strategy: str, examples: list, collate, device: torch.device
         model = twin if strategy == "plain" else wrap(prepare(twin, strategy, **fsdp_mixed_precision(amp)), strategy,
                                                       device)
         scaler, optimizer = gradient_scaler(amp, device), torch.optim.SGD(unwrap(model).parameters(), lr=0.0)
+        stepped_with = {}
+        optimizer.register_step_pre_hook(lambda *_: stepped_with.update(gradients(model)))  # lr 0: weights stay
         while True:
-            accumulate(model, mine.batches(collate, device), amp=amp_dtype(amp), scaler=scaler)
-            if scaler is None:
-                break
-            result["scale"] = scaler.get_scale()
-            scaler.unscale_(optimizer)  # what optimizer_step does first, once per optimizer step
-            scaler.step(optimizer)  # lr 0: the weights stay; skipped if a gradient holds inf or nan
-            scaler.update()
-            if scaler.get_scale() >= result["scale"]:
+            if scaler is not None:
+                result["scale"] = scaler.get_scale()
+            if train_step(model, mine.batches(collate, device), optimizer, amp=amp_dtype(amp), scaler=scaler)[1]:
                 break
             result["skipped"] += 1
-            model.zero_grad(set_to_none=True)
-        result[amp] = relative_error(gradients(model), reference)  # whole tensors: FSDP2's shards gathered
+        result[amp] = relative_error(stepped_with, reference)  # whole tensors: FSDP2's shards gathered
     return result
 
 

@@ -19,6 +19,7 @@ def measure_ddp(rank: int, world_size: int, rendezvous: str, results) -> None:
     """For both settings of gradient_as_bucket_view, the bytes DDP allocates when it wraps the tiny model
     (its gradient buckets) and the bytes a backward adds on top (the gradients), measured with MemTracker."""
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    wrapped = []
     try:
         config = bundled_config()
         for bucket_view in (False, True):
@@ -30,10 +31,11 @@ def measure_ddp(rank: int, world_size: int, rendezvous: str, results) -> None:
             before = held(tracker)
             with tracker:
                 ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+                wrapped.append(ddp)
                 buckets = held(tracker) - before
                 input_ids = torch.randint(0, config.vocab_size, (2, 16))
                 nn.functional.cross_entropy(ddp(input_ids), torch.tensor([0, 1])).backward()
                 gradients = held(tracker) - before - buckets
             results[(rank, bucket_view)] = (buckets, gradients, sum(p.numel() * 4 for p in model.parameters()))
     finally:
-        leave_process_group()
+        leave_process_group(*wrapped)

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import get_linear_schedule_with_warmup, set_seed
 
@@ -26,7 +25,8 @@ from helpers.lever_checks import compare_checkpointing
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
-from helpers.train import accumulate, check_steps, forward_backward, train_epoch
+from helpers.step import train_step
+from helpers.train import check_steps, train_epoch
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
                     "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -59,11 +59,11 @@ def test_micro_batches_give_the_gradients_and_loss_of_one_batch(collate, sizes):
     examples = load_split("train")[:sum(sizes)]
     set_seed(0)
     net = Net(pooler=False).eval()  # no dropout: both sides compute the same function
-    loss = forward_backward(net, collate(examples), nn.CrossEntropyLoss())
+    loss, _ = train_step(net, [collate(examples)])
     whole = gradients(net)
     net.zero_grad(set_to_none=True)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    mean = accumulate(net, [collate(examples[start:start + size]) for start, size in zip(starts, sizes)])
+    mean, _ = train_step(net, [collate(examples[start:start + size]) for start, size in zip(starts, sizes)])
     assert largest_difference(gradients(net), whole) <= EQUIVALENCE_TOLERANCE
     assert mean == pytest.approx(loss, abs=1e-6)
 
@@ -72,7 +72,7 @@ def test_the_naive_loop_is_right_only_for_equal_micro_batches(collate):
     examples = load_split("train")[:16]
     set_seed(0)
     net = Net(pooler=False).eval()
-    forward_backward(net, collate(examples), nn.CrossEntropyLoss())
+    train_step(net, [collate(examples)])
     whole = gradients(net)
     for sizes, right in (((4, 4, 4, 4), True), ((5, 5, 5, 1), False)):
         net.zero_grad(set_to_none=True)
@@ -111,10 +111,10 @@ def test_a_counter_counts_only_inside_its_block(collate, group_of_one):
     ddp = nn.parallel.DistributedDataParallel(Net(pooler=False))
     counter = CollectiveCounter(ddp)
     batch = collate(load_split("train")[:4])
-    forward_backward(ddp, batch, nn.CrossEntropyLoss())
+    train_step(ddp, [batch])
     assert counter.summary() == {}
     with counter:
-        forward_backward(ddp, batch, nn.CrossEntropyLoss())
+        train_step(ddp, [batch])
     assert counter.summary()["all-reduce"]["bytes"] == 4 * sum(p.numel() for p in ddp.parameters())
 
 
@@ -168,7 +168,7 @@ def test_resuming_inside_an_optimizer_step_is_refused():
     net = Net(pooler=False)
     loader = make_loader(load_split("train")[:16], tokenizer, batch_size=4)
     with pytest.raises(ValueError, match="skip=2 batches is not a whole number of optimizer steps of accumulation=4"):
-        train_epoch(net, loader, two_lr_adam(net), skip=2, accumulation=4)
+        train_epoch(net, loader, two_lr_adam(net), progress=Progress(batch=2), accumulation=4)
 
 
 def test_a_checkpoint_of_another_accumulation_is_refused_before_training():

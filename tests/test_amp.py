@@ -32,6 +32,7 @@ from helpers.launch import last_json
 from helpers.models import load_tokenizer
 from helpers.net import Net
 from helpers.optim import two_lr_adam
+from helpers.step import train_step
 from helpers.train import fit, train_epoch
 
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
@@ -156,10 +157,32 @@ def test_a_resumed_fp16_run_goes_on_with_the_saved_scale_and_ends_bitwise(tmp_pa
     assert resumed_scaler.state_dict() == scaler.state_dict()
 
 
-def test_fp16_trains_with_a_scaler_on_the_device_and_bf16_and_fp32_without():
-    scaler = levers.gradient_scaler("fp16", torch.device("cpu"))
-    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler.get_scale() == 2.0**16
-    assert levers.gradient_scaler("bf16", torch.device("cpu")) is None
-    assert levers.gradient_scaler(None, torch.device("cpu")) is None
-    policy = levers.fsdp_mixed_precision("fp16")["mp_policy"]
-    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+class Product(torch.nn.Module):
+    """One weight per input feature, no bias: ``input_ids`` is a float batch here, and logits are its products."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.linear(input_ids)
+
+
+def test_fp16_keeps_a_gradient_below_its_range_only_with_the_scaler_it_gets_and_bf16_and_fp32_need_none():
+    """A loss of 2**-26 x the sum of 4 logits, in fp32 as autocast computes losses, gives each weight the gradient
+    4 x 2**-26 = 2**-24, computed here by hand. Into fp16's matrix product the logits' gradient, 2**-26, is below
+    fp16's smallest number (2**-24) and rounds to zero, unless the scaler ``gradient_scaler("fp16")`` gives
+    multiplies the loss first (and divides the gradient again before the update); bf16, with fp32's range, and fp32
+    keep it without the scaler they get (none). Seen by the optimizer, in a real ``train_step`` on this CPU."""
+    batch = {"input_ids": torch.ones(4, 4), "labels": torch.zeros(4)}
+    stepped_with = {}
+    for name, choice in (("fp32", None), ("bf16", "bf16"), ("fp16", "fp16"), ("fp16 without its scaler", "fp16")):
+        model = Product()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        optimizer.register_step_pre_hook(lambda *_, name=name, model=model: stepped_with.update(
+            {name: model.linear.weight.grad.unique().tolist()}))
+        scaler = None if name.endswith("without its scaler") else levers.gradient_scaler(choice, torch.device("cpu"))
+        train_step(model, [batch], optimizer, loss_fn=lambda logits, labels: logits.float().sum() * 2.0**-26,
+                   amp=levers.amp_dtype(choice), scaler=scaler)
+    assert stepped_with == {"fp32": [2.0**-24], "bf16": [2.0**-24], "fp16": [2.0**-24],
+                            "fp16 without its scaler": [0.0]}

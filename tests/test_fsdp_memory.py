@@ -12,12 +12,37 @@ from helpers.memory import (GIB, GPUS, MODELS, activation_formula, bert_base_con
                             per_device, parameters, predict_fsdp, trace_fsdp, workspaces)
 from helpers.memory.fsdp2 import LEVERS
 from helpers.memory.kernels import CudaLikeKernels
+from helpers.memory.tracer import build_model
 from helpers.torch_private import FakeTensorMode
 
 
 def test_stored_table_equals_a_fresh_prediction():
     """Drift: the stored file against its generator."""
     assert load_table()["models"]["BERT-base"]["fsdp"]["2"] == predict_fsdp(bert_base_config(), 8, 512, 2, environ={})
+
+
+def test_the_stored_fsdp2_ranks_hold_the_shards_and_gathered_weights_the_models_shapes_give():
+    """Against counts from BERT-base's parameter shapes alone, for 2, 4 and 8 ranks: rank 0 keeps the first
+    ceil(rows / N) rows of every parameter (FSDP2 shards dim 0, padding it to N equal shards) and the buffers whole;
+    Adam's two moments of those of the trained parameters (all but the pooler) plus one 4-byte step count each; and
+    at the peak the gathered weights (padding included) of the root, kept after forward, and of two layers (the one
+    computing, the next one prefetched)."""
+    model = build_model(bert_base_config())
+    named = dict(model.named_parameters())
+    trained = [p for name, p in named.items() if ".pooler." not in name]
+    root = [p for name, p in named.items() if ".encoder.layer." not in name]
+    layer = list(model.bert.encoder.layer[0].parameters())
+    buffers = sum(buffer.numel() * buffer.element_size() for buffer in model.buffers())
+    rows = load_table()["models"]["BERT-base"]["fsdp"]
+    assert sorted(rows, key=int) == ["2", "4", "8"]
+    for ranks, row in rows.items():
+        def shard(parameters, gathered=False):  # fp32 bytes of rank 0's rows, or of all ranks' rows, padding included
+            rows_of = (lambda p: -(-p.shape[0] // int(ranks)) * (int(ranks) if gathered else 1))
+            return sum(4 * rows_of(p) * (p.numel() // p.shape[0]) for p in parameters)
+
+        assert row["weights"] == shard(named.values()) + buffers, ranks
+        assert row["optimizer"] == 2 * shard(trained) + 4 * len(trained), ranks
+        assert row["gathered"] == shard(root, gathered=True) + 2 * shard(layer, gathered=True), ranks
 
 
 def test_extrapolation_from_three_and_four_layers_equals_the_trace_of_five():

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.checks import notebook_env
 from helpers.checks.notebook_env import GPUS_HIDDEN, NOTEBOOK_ENV, compared_line, nvml_gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,9 +72,27 @@ def test_make_test_unit_and_notebooks_hide_the_gpus_and_gpu_check_and_lab_do_not
         assert not any("CUDA_VISIBLE_DEVICES" in line for line in dry_run("lab", path=path))
 
 
-def test_conftest_hides_the_gpus_from_this_process():
+PROBE = """
+import os, subprocess, sys
+
+def test_a_test_and_the_processes_it_starts_see_no_gpu():
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
-    assert notebook_env.GPUS_HIDDEN == {"CUDA_VISIBLE_DEVICES": ""}
+    child = [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"]
+    assert subprocess.run(child, capture_output=True, text=True, check=True).stdout == "''\\n"
+"""
+
+
+def test_a_pytest_run_hides_the_gpus_the_shell_names_from_its_tests_and_their_kernels(tmp_path):
+    """A shell that names two GPUs starts pytest: the repository's conftest.py (loaded by name here, since the probe
+    lies outside the repository) hides them from the run's tests and from every process they start, as nbval's
+    kernels are."""
+    (tmp_path / "test_probe.py").write_text(PROBE, encoding="utf-8")
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          str(tmp_path / "test_probe.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "1 passed" in run.stdout
 
 
 def test_stored_outputs_compare_strictly_while_nvml_reports_two_t4s(tmp_path):

@@ -22,6 +22,7 @@ from helpers.memory import (GPUS, activation_formula, bert_base_config, h200_ste
 from helpers.memory.configs import bundled_config
 from helpers.memory.kernels import CudaLikeKernels
 from helpers.memory.tracer import build_model, trace_step
+from helpers.step import train_step
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIB = 2**20
@@ -187,35 +188,47 @@ def test_tracker_peak_matches_the_profiler_memory_timeline():
 
 
 def test_ddp_buckets_in_a_real_two_process_run_match_the_prediction():
+    """A DDP rank holds the one-GPU step at its per-rank batch plus gradient buckets, whose bytes two real gloo
+    processes measured (MemTracker, for both settings of gradient_as_bucket_view): the prediction adds exactly those
+    (with the view, the gradients live in the buckets, as the real run's next backward adds nothing)."""
     with tempfile.TemporaryDirectory() as tmpdir, mp.Manager() as manager:
         results = manager.dict()
         # spawn, not fork: forking a process whose OpenMP threads already ran can deadlock the children
         mp.spawn(measure_ddp, args=(2, f"{tmpdir}/rendezvous", results), nprocs=2)
         results = dict(results)
     config = bundled_config()
+    (single,) = per_device(config, 2, 16, gpu=H200, environ={})
     for bucket_view in (False, True):
-        (predicted,) = {rank["buckets"] for rank in per_device(config, 4, 16, strategy="ddp", gpus=2, gpu=H200,
-                                                               environ={}, gradient_as_bucket_view=bucket_view)}
+        measured = {results[(rank, bucket_view)][0] for rank in (0, 1)}
+        assert len(measured) == 1  # both ranks alike
+        (buckets,) = measured
+        # with gradient_as_bucket_view the gradients are views into the buckets: no bytes of their own
+        gradients = 0 if bucket_view else single["gradients"]
+        for rank in per_device(config, 4, 16, strategy="ddp", gpus=2, gpu=H200, environ={},
+                               gradient_as_bucket_view=bucket_view):
+            assert rank == single | {"gradients": gradients, "buckets": buckets,
+                                     "total": single["total"] - single["gradients"] + gradients + buckets}
         for rank in (0, 1):
-            buckets, gradients, _ = results[(rank, bucket_view)]
-            assert buckets == predicted
+            _, gradients, _ = results[(rank, bucket_view)]
             assert (gradients < 1e-3 * buckets) if bucket_view else agreement(gradients, buckets) < 1e-3
 
 
-def test_model_dataparallel_and_ddp_add_what_their_mechanics_say():
-    """A consistency check of the per-device model, not a measurement (DataParallel cannot run on a CPU; DDP's
-    buckets are measured in a real run above). Against the model's own parameters, counted: category by category,
-    GPU 0 holds what a DataParallel replica holds plus Adam's two moments of every parameter that gets a gradient
-    (all but the pooler), 8 bytes each; a DDP rank holds the one-GPU step at its per-rank batch plus gradient
-    buckets of those parameters, 4 bytes each."""
-    config = bert_base_config()
-    trained = sum(p.numel() for name, p in build_model(config).named_parameters() if ".pooler." not in name)
-    gpu0, gpu1 = per_device(config, 64, 512, strategy="dataparallel", gpus=2, gpu=H200, environ={})
+def test_dataparallels_gpu_0_holds_a_replica_plus_the_adam_state_a_real_step_makes():
+    """DataParallel cannot run on a CPU, so its GPUs are a model: GPU 0 holds what a replica holds (GPU 1), plus
+    the master copy's Adam moments. Those bytes are measured: the state a real Adam step (foreach, as on CUDA)
+    creates for the model on this CPU, without the step counts, which stay on the CPU on a GPU too (no gradient
+    reaches the unused pooler, so it gets none)."""
+    config = bundled_config()
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu").train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8)), "labels": torch.tensor([0, 1])}
+    train_step(model, [batch], optimizer)
+    adam = sum(value.nbytes for state in optimizer.state.values() for value in state.values() if value.dim() > 0)
+    assert adam > 0
+    gpu0, gpu1 = per_device(config, 16, 64, strategy="dataparallel", gpus=2, gpu=H200, environ={})
     assert {name: gpu0[name] - gpu1[name] for name in gpu0} == dict.fromkeys(gpu0, 0) | {
-        "optimizer": 8 * trained, "total": 8 * trained}
-    (single,) = per_device(config, 32, 512, gpu=H200, environ={})
-    for rank in per_device(config, 64, 512, strategy="ddp", gpus=2, gpu=H200, environ={}):
-        assert rank == single | {"buckets": 4 * trained, "total": single["total"] + 4 * trained}
+        "optimizer": adam, "total": adam}
 
 
 def test_each_lever_keeps_for_backward_what_its_closed_form_says():
@@ -313,17 +326,33 @@ def test_model_a_dataparallel_replica_holds_no_gradients_of_earlier_micro_batche
 def test_fp16_holds_what_bf16_holds_plus_the_grad_scalers_tensors():
     """fp16 autocast keeps what bf16 keeps, byte for byte (the same casts, the same element size), and --amp fp16
     adds a GradScaler (torch/amp/grad_scaler.py) whose 4-byte tensors each take a 512-byte block of the caching
-    allocator: the scale and the growth tracker (``_lazy_init_scale_growth_tracker``) from the first step on, the
-    scaled loss through backward (``scale``), and found_inf's copy for the device (``_unscale_grads_``, kept until
-    ``update``) through the optimizer step; the inverse scale and found_inf itself are gone by then. On an A100
-    both types run flash attention, so nothing else differs."""
+    allocator. How many live at each moment is counted in real steps on this CPU, not taken from the prediction:
+    those the scaler keeps from step to step (the scale and the growth tracker, held after a real step), plus those
+    a real fp16 step makes that bf16's does not (MemTracker on real tensors: the scaled loss through backward,
+    found_inf's copy for the device through the optimizer step). On an A100 both types run flash attention, so nothing
+    else differs."""
+    small = bundled_config()
+    real = {}
+    for amp in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        real[amp] = trace_step(build_model(small, attention="eager", device="cpu"), 4, 32,
+                               vocab_size=small.vocab_size, amp_dtype=amp)
+    scaler, net = torch.amp.GradScaler("cpu"), nn.Linear(2, 2)
+    scaler.scale(net(torch.ones(1, 2)).sum()).backward()
+    scaler.step(torch.optim.SGD(net.parameters(), lr=0.1))
+    scaler.update()
+    kept = sum(isinstance(value, torch.Tensor) for value in vars(scaler).values())
     config = bert_base_config(num_hidden_layers=2)
     bf16, fp16 = (predict_step(config, 8, 128, gpu=GPUS["A100-40GB"], environ={}, amp=amp) for amp in ("bf16", "fp16"))
+    made = {}
     for moment in ("after_forward", "backward_peak", "optimizer_peak"):
+        extra = getattr(real[torch.float16], moment)["total"] - getattr(real[torch.bfloat16], moment)["total"]
+        made[moment], rest = divmod(extra, 4)
         before, after = getattr(bf16, moment), getattr(fp16, moment)
         added = {name: after[name] - before[name] for name in after if after[name] != before[name]}
-        scaler = 2 if moment == "after_forward" else 3  # the loss is scaled after the forward
-        assert added == {"optimizer": 4 * scaler, "allocator": 508 * scaler, "total": 512 * scaler}, moment
+        tensors = kept + made[moment]
+        assert rest == 0 and added == {"optimizer": 4 * tensors, "allocator": 508 * tensors, "total": 512 * tensors}
+    assert (kept, made) == (2, {"after_forward": 0, "backward_peak": 1, "optimizer_peak": 1})  # grad_scaler.py's
 
 
 def test_a_t4_mixes_in_fp16_and_refuses_bf16_as_training_does():

@@ -1,6 +1,7 @@
 """The private PyTorch surfaces of helpers.torch_private: the version check warns once on another torch and
 stays silent on the tested one, a missing surface or changed signature fails in one line naming the torch the
-series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) are this torch's."""
+series needs, and the facts the predictor maps (the trackers' kinds, FSDP2's collectives) and what holds a process
+group are this torch's."""
 
 import io
 import json
@@ -223,3 +224,61 @@ def test_the_checkpoints_private_names_are_this_torchs():
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
     assert set(torch_private.schedule_position()) <= set(scheduler.state_dict())
     assert set(torch_private.GRAD_SCALER_POSITION) < set(torch_private.GRAD_SCALER_STATE)
+
+
+# --- what holds a process group; torch.compile's wrapper ------------------------------------------------------
+
+def test_what_holds_a_process_group_is_where_the_release_looks():
+    """DDP keeps its group in ``reducer``, ``logger`` and ``process_group``; a device mesh in its registry; FSDP2's
+    view of the mesh in its own attributes. Releasing drops each, and only the groups it is given."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import distributed
+
+    distributed.init_process_group(torch.device("cpu"))
+    try:
+        (group,) = torch_private.live_process_groups()
+        assert group is dist.group.WORLD
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        torch_private.release_ddp(ddp)
+        assert not set(torch_private.DDP_GROUP_HOLDERS) & vars(ddp).keys()
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = fully_shard(nn.Linear(2, 2), mesh=mesh)
+        info = sharded._get_fsdp_state()._fsdp_param_group.mesh_info
+        assert list(mesh._pg_registry.values()) == [group] and info.shard_process_group is group
+        torch_private.release_meshes([])  # none of its groups: nothing changes
+        assert list(mesh._pg_registry.values()) == [group] and info.shard_process_group is group
+        torch_private.release_meshes([group])
+        assert mesh._pg_registry == {} and info.shard_process_group is None
+    finally:
+        distributed.leave_process_group()
+
+
+def test_a_torch_that_moved_what_holds_a_group_fails_in_one_line(monkeypatch):
+    """Where a torch renamed one of them, the release says so instead of leaving the group alive (which brings back
+    issue 39's abort at exit)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers import distributed
+
+    distributed.init_process_group(torch.device("cpu"))
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        del ddp.reducer
+        with pytest.raises(TorchSurfaceMissing, match=r"has no DistributedDataParallel\.reducer \(what holds its"):
+            torch_private.release_ddp(ddp)
+        mesh = init_device_mesh("cpu", (1,))
+        monkeypatch.delattr(mesh, "_pg_registry")
+        with pytest.raises(TorchSurfaceMissing, match=r"has no DeviceMesh\._pg_registry"):
+            torch_private.release_meshes(torch_private.live_process_groups())
+        monkeypatch.undo()
+    finally:
+        distributed.leave_process_group()
+    compiled = torch.compile(nn.Linear(2, 2))
+    assert torch_private.compiled_inner(compiled) is compiled._orig_mod
+    monkeypatch.delattr(sys.modules["torch._dynamo.eval_frame"], "OptimizedModule")
+    with pytest.raises(TorchSurfaceMissing, match=r"has no torch\._dynamo\.eval_frame\.OptimizedModule"):
+        torch_private.compiled_inner(compiled)

@@ -1,7 +1,7 @@
 """Gradient accumulation under DDP and FSDP2, checked: the loop most examples use, the collectives each loop makes
 (counted for real), and the gradients of N micro-batches against one process on one batch of all of them.
 
-The right loop is helpers.train.accumulate: it pauses the gradient communication (``no_gradient_sync``) on all
+The right loop is helpers.step.train_step's: it pauses the gradient communication (``no_gradient_sync``) on all
 micro-batches but the last, so DDP all-reduces and FSDP2 reduce-scatters once per optimizer step instead of
 once per micro-batch. Both loops compute the same gradients; only the traffic differs.
 """
@@ -19,7 +19,7 @@ from helpers.equivalence import (EQUIVALENCE_TOLERANCE, largest_difference, loss
                                  reference_net, share)
 from helpers.memory import tracking
 from helpers.torch_private import seeing_fsdp2_collectives
-from helpers.train import accumulate
+from helpers.step import train_step
 from helpers.wrapping import is_sharded
 
 
@@ -88,7 +88,8 @@ def count_and_all_reduce(counter, bucket):  # no annotations: DDP checks them, a
     return allreduce_hook(None, bucket)
 
 
-LOOPS = {"no_gradient_sync": accumulate, "naive": accumulate_naively}
+LOOPS = {"no_gradient_sync": train_step, "naive": accumulate_naively}
+"""Each loop called as ``loop(model, batches)``: train_step without an optimizer leaves the gradients in ``.grad``."""
 
 
 def compare_accumulation(model: str | None, examples: list, collate, device: torch.device, strategy: str = "ddp",

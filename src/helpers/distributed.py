@@ -10,6 +10,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from helpers import torch_private
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -88,55 +91,40 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
 
-def leave_process_group() -> None:
-    """Leave the group so that the process exits cleanly: every rank calls it after its last collective.
+def leave_process_group(*models: nn.Module) -> None:
+    """Leave the group so that the process exits cleanly: every rank calls it after its last collective, with the
+    DDP models of this run that it still holds (``leave_process_group(model)``); those stop communicating, and
+    their ``.module`` stays usable. A DDP model not handed over keeps its group and still trains (even after the group
+    is gone: its C++ reducer keeps the group's object), so nothing of another run changes here.
 
     ``destroy_process_group`` only unregisters the group. Its C++ object, with gloo's worker threads, lives on
     while anything else holds it: a DDP model's reducer, a device mesh, FSDP2's state. Kept alive to interpreter
-    exit (a communication hook whose state refers back to its model makes a cycle through C++ that garbage
-    collection cannot free), a worker thread that drops the tensors of a finished collective there needs the GIL;
-    Python ends that thread, and the C++ runtime aborts: "terminate called without an active exception"
-    (SIGABRT), after all the output. Destroyed later by a reducer, its last owner, as a function returns, the
-    group joins those threads under the GIL, which one of them may be waiting for: a hang.
+    exit, a worker thread that drops the tensors of a finished collective there needs the GIL; Python ends that
+    thread, and the C++ runtime aborts: "terminate called without an active exception" (SIGABRT), after all the
+    output. Destroyed later by a reducer, its last owner, as a function returns, the group joins those threads under
+    the GIL, which one of them may be waiting for: a hang.
 
-    So every rank waits until all are done, drops what holds the group (``release_group``), and destroys it:
-    its last owner gone, the group joins its threads there, with the GIL released, while Python is whole.
+    So every rank waits until all are done, and drops what holds the group: the DDP models it is given, and the
+    meshes of the groups being destroyed with FSDP2's views of them (``torch_private.release_meshes``): torch's
+    caches keep a mesh out of the caller's reach long after its model, and an FSDP2 model of this group kept past
+    it no longer communicates. Garbage collection frees what only cycles kept (FSDP2's module states; a model whose
+    communication hook held it would stay, so hooks here hold no model: helpers.accumulation.CollectiveCounter).
+    Then the group is destroyed: its last owner gone, it joins its threads there, with the GIL released, while
+    Python is whole.
     """
     barrier()
-    release_group()
+    for model in models:
+        release(model)
+    gc.collect()
+    torch_private.release_meshes(torch_private.live_process_groups())
     dist.destroy_process_group()
 
 
-def release_group() -> None:
-    """Drop every reference to the process groups that this process's objects still hold, before the groups are
-    destroyed; models stay usable as plain modules, but no longer communicate (as they could not without a group).
-
-    Found among all live objects, since a model may be out of reach: a communication hook whose state refers back
-    to its DDP model keeps both alive in a cycle through C++. DDP: its reducer (in C++), the logger that holds
-    the reducer, and ``process_group``. Device meshes (FSDP2, DTensor; torch keeps some in caches): their groups.
-    FSDP2's per-module mesh information: its groups. Garbage collection before and after frees what only cycles
-    kept, such as FSDP2's module states and the hook's state once the reducer that held it is gone.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    try:  # FSDP2's per-module view of a mesh, which keeps its groups too (torch 2.13)
-        from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo as mesh_info
-    except ImportError:  # another torch: its meshes are cleared all the same
-        mesh_info = ()
-
-    gc.collect()
-    for obj in gc.get_objects():  # type(), not isinstance(): some objects warn when asked for their __class__
-        kind = type(obj)
-        if issubclass(kind, torch.nn.parallel.DistributedDataParallel):
-            for name in ("logger", "reducer", "process_group"):
-                vars(obj).pop(name, None)
-        elif issubclass(kind, DeviceMesh):
-            getattr(obj, "_pg_registry", {}).clear()
-        elif issubclass(kind, mesh_info):
-            for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
-                if hasattr(obj, name):
-                    setattr(obj, name, None)
-    gc.collect()
+def release(model: nn.Module) -> None:
+    """Drop what ``model`` holds of its process group, if it is DistributedDataParallel: it no longer communicates,
+    its ``.module`` stays usable (a plain or FSDP2 model holds its group through meshes: ``leave_process_group``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        torch_private.release_ddp(model)
 
 
 def with_others() -> bool:
@@ -176,15 +164,16 @@ def agree_on_problem(problem: str | None) -> str | None:
     return f"rank {where} on {host}: {text}"
 
 
-def stop_everywhere(problem: str, exit_code: int = 2) -> None:
-    """Rank 0 prints ``problem``; then every rank leaves the group and exits with ``exit_code``.
+def stop_everywhere(problem: str, *models: nn.Module, exit_code: int = 2) -> None:
+    """Rank 0 prints ``problem``; then every rank leaves the group, releasing ``models`` (as in
+    ``leave_process_group``), and exits with ``exit_code``.
 
     The barrier lets rank 0 finish printing before any rank exits, since torchrun stops all workers as
     soon as the first one fails.
     """
     if dist.get_rank() == 0:
         print(f"error: {problem}", file=sys.stderr, flush=True)
-    leave_process_group()
+    leave_process_group(*models)
     sys.exit(exit_code)
 
 

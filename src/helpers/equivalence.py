@@ -30,7 +30,8 @@ from transformers import set_seed
 from helpers.checkpoint import weights_digest
 from helpers.fsdp import prepare, wrap
 from helpers.net import Net
-from helpers.train import accumulate, input_device, to_device
+from helpers.step import train_step
+from helpers.train import input_device, to_device
 from helpers.wrapping import unwrap
 
 EQUIVALENCE_TOLERANCE = 1e-6  # max |parallel - one process| over gradients and weights: float32 rounding
@@ -121,13 +122,13 @@ def compare_with_one_process(model: str | None, examples: list, collate, device:
     them: the gradients, then the weights after one SGD step of ``lr``. Every rank of the group must call it.
 
     Each rank takes len(examples) // world_size of them (a remainder is left out) in ``accumulation``
-    micro-batches, whose gradients it adds up as training does (helpers.train.accumulate).
+    micro-batches, whose gradients it adds up as training does (``train_step`` without its update).
     """
     mine = share(examples, accumulation)
     one_process = reference_net(model, device, seed)
     parallel = parallel_copy(one_process, strategy, device)
     batches = mine.batches(collate, device)
-    rank_loss = torch.tensor(accumulate(parallel, batches), dtype=torch.float64, device=device)
+    rank_loss = torch.tensor(train_step(parallel, batches)[0], dtype=torch.float64, device=device)
     whole_loss = loss_and_backward(one_process, collate(mine.examples))
 
     named = dict(one_process.named_parameters())

@@ -283,11 +283,11 @@ def main(argv: list[str] | None = None) -> dict:
                                 resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
                                 amp=levers.amp_dtype(args.amp), scaler=levers.gradient_scaler(args.amp, device))
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
-        distributed.stop_everywhere(str(error))
+        distributed.stop_everywhere(str(error), model)
     if args.amp == "fp16":
         result["skipped_steps"] = sum(row["skipped_steps"] for row in result["history"])
     report(args, data, model, result, tokenizer)
-    distributed.leave_process_group()  # its barrier: no rank leaves before rank 0 has written its files
+    distributed.leave_process_group(model)  # its barrier: no rank leaves before rank 0 has written its files
     return result
 
 

@@ -12,7 +12,6 @@ import json
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from helpers import distributed
 from helpers.accumulation import accumulation_lines, compare_accumulation
@@ -22,7 +21,8 @@ from helpers.equivalence import (EQUIVALENCE_TOLERANCE, gradients, largest_diffe
 from helpers.fsdp import FINETUNE_STRATEGIES
 from helpers.levers import enable_checkpointing
 from helpers.models import load_tokenizer
-from helpers.train import forward_backward, say
+from helpers.step import train_step
+from helpers.train import say
 
 
 def compare_checkpointing(model: str | None, examples: list, collate, device: torch.device, strategy: str = "ddp",
@@ -36,7 +36,7 @@ def compare_checkpointing(model: str | None, examples: list, collate, device: to
              "checkpointed": parallel_copy(plain, strategy, device, change=enable_checkpointing)}
     for parallel in steps.values():
         torch.manual_seed(seed + dist.get_rank())  # the same dropout masks in both steps
-        forward_backward(parallel, batch, nn.CrossEntropyLoss())
+        train_step(parallel, [batch])  # no optimizer: the gradients stay
     return {"strategy": strategy, "world_size": dist.get_world_size(), "per_rank_batch_size": len(mine.mine),
             "max_abs_grad_diff": largest_difference(steps["checkpointed"], gradients(steps["plain"]))}
 

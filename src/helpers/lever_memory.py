@@ -1,7 +1,7 @@
 """The memory of one real training step with each lever, tracked, beside what the prediction says for it.
 
 tracked: PyTorch's MemTracker (FSDPMemTracker for a sharded model; helpers.memory.tracking) around one optimizer
-step exactly as helpers.train runs it (``accumulate``, then ``optimizer_step``), with the lever applied as
+step exactly as helpers.train runs it (``helpers.step.train_step``), with the lever applied as
 helpers.finetune applies it (helpers.levers), on real tensors. predicted: helpers.memory's trace of the same step on
 fake tensors (``predict_cpu_step``). Notebook 05 asks the trace what a CUDA GPU keeps (1-byte dropout masks, the
 fused attention kernels); here it is asked what this step keeps where it runs, on the CPU: float dropout masks,
@@ -20,7 +20,8 @@ import torch
 from helpers.levers import amp_dtype, enable_checkpointing
 from helpers.memory import predict_cpu_step, tracking
 from helpers.net import Net
-from helpers.train import accumulate, input_device, optimizer_step
+from helpers.step import train_step
+from helpers.train import input_device
 
 LEVERS = {"none": {}, "accumulation": {"accumulation": 2}, "checkpointing": {"checkpointing": True},
           "bf16 autocast": {"amp": "bf16"}}
@@ -37,10 +38,8 @@ def random_batches(vocab_size: int, batch_size: int, seq_len: int, micro_batches
 
 
 def step(model, optimizer, batches: list, amp: str | None = None) -> float:
-    """One optimizer step as helpers.train takes it: ``accumulate`` over the micro-batches, then the update."""
-    loss = accumulate(model, batches, amp=amp_dtype(amp))
-    optimizer_step(optimizer)
-    return loss
+    """One optimizer step as helpers.train takes it (``train_step``) on the micro-batches ``batches``: its loss."""
+    return train_step(model, batches, optimizer, amp=amp_dtype(amp))[0]
 
 
 def tracked_step(model, optimizer, batches: list, amp: str | None = None) -> dict[str, int]:

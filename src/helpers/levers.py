@@ -1,9 +1,9 @@
 """Two of the memory levers notebook 05 predicts, as helpers.finetune applies them: mixed precision (``--amp bf16``
 or ``--amp fp16``) and activation checkpointing (``--gradient-checkpointing``). The third, gradient accumulation, is
-a loop: helpers.train.accumulate.
+a loop: helpers.step.train_step's micro-batches.
 
 - mixed precision runs the forward and the loss under autocast, with matrix products in bf16 or fp16
-  (helpers.train.forward_backward); the weights, their gradients and Adam's state stay fp32. bf16 has fp32's range;
+  (helpers.step.train_step); the weights, their gradients and Adam's state stay fp32. bf16 has fp32's range;
   fp16 has 3 more bits of precision but overflows above 65504 and loses gradients below about 6e-8, so fp16 trains
   with a gradient scaler (``torch.amp.GradScaler``): the loss is multiplied by a large scale before backward, the
   gradients divided by it before the optimizer step, and a step whose gradients hold inf or nan is skipped (the

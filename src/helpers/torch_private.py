@@ -1,23 +1,25 @@
 """Every private PyTorch surface the package rests on, in one place: the memory predictor's (fake tensors, the
-trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``) and the
-memory snapshot of notebook 05's appendix (``recording_memory_history``), and the checkpoints' (the private names in
+trackers, the fused attention operators), notebook 09's collective counter (``seeing_fsdp2_collectives``), the
+memory snapshot of notebook 05's appendix (``recording_memory_history``), the checkpoints' (the private names in
 DCP's pickled metadata, CPython's pure-Python unpickler that reads it, an optimizer's step without its hooks, the
-state keys torch names privately). Nothing else in ``src/`` touches a private name of torch or of CPython's pickle
-(tests/test_layout.py).
+state keys torch names privately), what holds a process group after it is destroyed (``release_ddp``,
+``release_meshes``: helpers.distributed) and torch.compile's wrapper (``compiled_inner``: helpers.wrapping). Nothing
+else in ``src/`` touches a private name of torch or of CPython (tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``). On another
 torch it warns once, on import (FIELD-NOTES: torch 2.14.1 ran everything); where a surface is really gone, or an
 operator called with positional arguments has changed its signature, it raises ``TorchSurfaceMissing``, one line
 naming the torch the series needs. The cheap surfaces are checked on import; the trackers, whose modules import
-TorchDynamo (about 1.5 s), and the CUDA-only functions when they are first used. CONTRIBUTING.md ("Upgrading
-torch") says what to re-read in PyTorch's source and which test pins which fact.
+TorchDynamo (about 1.5 s), the CUDA-only functions and the process groups' holders when they are first used.
+CONTRIBUTING.md ("Upgrading torch") says what to re-read in PyTorch's source and which test pins which fact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib
 import inspect
 import pickle
@@ -383,3 +385,79 @@ def recording_memory_history(path: str, max_entries: int = 100_000):
         dump(path)
     finally:
         record(enabled=None)
+
+
+# --- process groups: what holds one after destroy_process_group (helpers.distributed) -----------------------------
+
+DDP_GROUP_HOLDERS = ("logger", "reducer", "process_group")
+"""What a DistributedDataParallel model keeps of its process group (torch/nn/parallel/distributed.py): the group, the
+C++ reducer (which holds the group and the communication hook's state) and the logger that holds the reducer."""
+MESH_INFO_GROUPS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")
+"""The groups FSDP2's per-module view of a device mesh keeps (torch/distributed/fsdp/_fully_shard/_fsdp_common.py,
+``FSDPMeshInfo``, ``DDPMeshInfo``): its collectives run through them."""
+
+
+def release_ddp(model) -> None:
+    """Drop what the DistributedDataParallel ``model`` holds of its process group; its ``.module`` stays usable, the
+    wrapper no longer communicates."""
+    held = vars(model)
+    if "process_group" in held and not {"reducer", "logger"} <= held.keys():
+        raise missing(f"DistributedDataParallel.{' and .'.join(sorted({'reducer', 'logger'} - held.keys()))} "
+                      f"(what holds its process group besides .process_group)")
+    for name in DDP_GROUP_HOLDERS:
+        held.pop(name, None)
+
+
+def live_process_groups() -> list:
+    """Every process group this process has not destroyed yet: the ones ``destroy_process_group()`` destroys."""
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    if not isinstance(getattr(world, "pg_map", None), dict):
+        raise missing("torch.distributed.distributed_c10d._world.pg_map (the registry of process groups)")
+    return list(world.pg_map)
+
+
+def release_meshes(groups: list) -> None:
+    """Empty the registry of groups of every device mesh that holds one of ``groups``, and drop ``groups`` from
+    FSDP2's per-module views of the meshes (``DataParallelMeshInfo``): found among all live objects, since torch's
+    caches of sharding plans keep a mesh long after the models that used it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh_info = attribute("torch.distributed.fsdp._fully_shard._fsdp_common", "DataParallelMeshInfo")
+    ids = {id(group) for group in groups}
+    for obj in gc.get_objects():  # type(), not isinstance(): some objects warn when asked for their __class__
+        kind = type(obj)
+        if issubclass(kind, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if not isinstance(registry, dict):
+                raise missing("DeviceMesh._pg_registry (the process groups a device mesh holds)")
+            if any(id(group) in ids for group in registry.values()):
+                registry.clear()
+        elif issubclass(kind, mesh_info):
+            names = [name for name in MESH_INFO_GROUPS if hasattr(obj, name)]
+            if not names:
+                raise missing(f"DataParallelMeshInfo.{' or .'.join(MESH_INFO_GROUPS)}")
+            for name in names:
+                if id(getattr(obj, name)) in ids:
+                    setattr(obj, name, None)
+
+
+# --- torch.compile's wrapper (helpers.wrapping) ------------------------------------------------------------------
+
+def compiled_inner(model):
+    """The model inside ``model`` where it is torch.compile's wrapper, else None. The wrapper's class,
+    ``torch._dynamo.eval_frame.OptimizedModule``, has no public name, and keeps the model as its child module
+    ``_orig_mod``. torch._dynamo is asked only where it is loaded already (no wrapper exists before; importing it
+    takes a second or more)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper is None:
+        raise missing("torch._dynamo.eval_frame.OptimizedModule (torch.compile's wrapper)")
+    if not isinstance(model, wrapper):
+        return None
+    inner = dict(model.named_children()).get("_orig_mod")
+    if inner is None:
+        raise missing("OptimizedModule._orig_mod (the model inside torch.compile's wrapper)")
+    return inner

@@ -1,11 +1,11 @@
-"""The fine-tuning loop of the series, for one process or many: one epoch of training, an evaluation, both together
-per epoch (with checkpoints), and a step's cost."""
+"""The fine-tuning loop of the series, for one process or many: ``fit`` trains epochs and evaluates after each (with
+checkpoints), ``train_epoch`` takes one pass of optimizer steps (``helpers.step.train_step``) with the run's progress
+kept at each step boundary; and a step's cost."""
 
 from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from helpers.checkpoint import (CheckpointError, Checkpoints, Progress, epoch_start_state, set_rng_state,
                                 set_sampler_epoch)
 from helpers.distributed import barrier, rank, with_others
-from helpers.wrapping import is_sharded, no_gradient_sync, unwrap
+from helpers.step import train_step
+from helpers.wrapping import is_sharded, unwrap
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -35,26 +36,27 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None, *, after_step=None, skip: int = 0,
-                resume_rng: dict | None = None, accumulation: int = 1, amp: torch.dtype | None = None,
-                scaler: torch.amp.GradScaler | None = None) -> list[float]:
-    """Train ``model`` (plain or wrapped) for one pass over ``loader``; returns the loss of every optimizer step.
+def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=None, *, progress: Progress | None = None,
+                checkpoints: Checkpoints | None = None, resume_rng: dict | None = None, accumulation: int = 1,
+                amp: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None,
+                after_step=None) -> list[float]:
+    """Train ``model`` (plain or wrapped) for one pass over ``loader``, ``accumulation`` batches per optimizer step
+    (``train_step``; the epoch's last step on those that are left); returns the loss of every step of the epoch.
 
-    Each optimizer step trains on ``accumulation`` batches of ``loader`` (micro-batches, see ``accumulate``;
-    the epoch's last step on those that are left), its forward and loss under autocast to ``amp`` if given, with
-    the gradient ``scaler`` if given (fp16: see ``optimizer_step``). ``after_step(loss, batches, updated)`` is
-    called after every optimizer step with its loss, how many of the epoch's batches are trained by then, and
-    whether the weights were updated (``fit`` saves its checkpoints there, only between optimizer steps). To resume
-    an interrupted epoch, the first ``skip`` batches are drawn but not trained, and then the random state
-    ``resume_rng`` (saved with the checkpoint) is restored.
+    ``progress`` (``Checkpoints.resume``'s, or a fresh ``Progress()``) is kept up to date after every step: steps,
+    skipped steps (each printed), the epoch's batches trained and their losses; ``checkpoints`` are saved every
+    ``checkpoints.every`` steps (the epoch's last by ``fit``, with its evaluation). A resumed epoch skips the
+    ``progress.batch`` batches it trained, drawing them all the same, and then restores the random state
+    ``resume_rng`` saved with the checkpoint. ``after_step(loss, batches, updated)`` is called at each step boundary.
     """
+    progress = progress or Progress()
+    skip = progress.batch
     if skip % accumulation:
         raise ValueError(f"train_epoch: skip={skip} batches is not a whole number of optimizer steps of "
                          f"accumulation={accumulation} batches each")
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    progress.epoch_start = epoch_start_state(loader)
     model.train()
-    device = input_device(model)
-    losses, group = [], []
+    device, batches = input_device(model), []
     # tqdm's notebook bar ignores TQDM_DISABLE, which `make notebooks` sets to keep bars out of stored outputs;
     # under torchrun only rank 0 draws one (N processes would draw N bars over each other on one terminal line)
     for index, batch in enumerate(tqdm(loader, desc="train", leave=False,
@@ -63,82 +65,28 @@ def train_epoch(model: nn.Module, loader, optimizer, scheduler=None, loss_fn=Non
             continue
         if index == skip and resume_rng is not None:
             set_rng_state(resume_rng)
-        group.append(to_device(batch, device))
-        if len(group) == accumulation or index + 1 == len(loader):
-            loss = accumulate(model, group, loss_fn, amp, scaler)
-            updated = optimizer_step(optimizer, scheduler, scaler)
-            losses.append(loss)
-            group = []
-            if after_step is not None:
-                after_step(loss, index + 1, updated)
-    if not losses:
+        batches.append(to_device(batch, device))
+        if len(batches) < accumulation and index + 1 < len(loader):
+            continue
+        loss, updated = train_step(model, batches, optimizer, loss_fn=loss_fn, amp=amp, scaler=scaler,
+                                   scheduler=scheduler)
+        batches = []
+        # the step boundary: the run's progress, and a checkpoint every N steps
+        progress.step, progress.batch = progress.step + 1, index + 1
+        progress.batch_losses.append(loss)
+        if not updated:  # the same on every process: DDP's gradients are equal, FSDP2's scaler asks every shard
+            progress.skipped_steps += 1
+            say(f"step {progress.step}: inf or nan in the gradients, update skipped; gradient scale lowered to "
+                f"{scaler.get_scale():g} ({progress.skipped_steps} skipped so far)")
+        last = progress.batch == len(loader)  # the epoch's last step is saved by fit, with the epoch's evaluation
+        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 and not last:
+            checkpoints.save(model, optimizer, scheduler, progress, scaler=scaler)
+        if after_step is not None:
+            after_step(loss, index + 1, updated)
+    if progress.batch == skip:
         raise ValueError("train_epoch: the loader yielded no batches; is its data set empty, or smaller than "
                          "batch_size with drop_last=True?")
-    return losses
-
-
-def forward_backward(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn, scale: float = 1.0,
-                     amp: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None) -> float:
-    """The loss of ``model`` on ``batch``; the gradients of ``scale`` x loss are added to the parameters' ``.grad``.
-
-    ``amp`` (torch.bfloat16 or torch.float16) runs the forward and the loss under autocast: matrix products in that
-    type, while the weights, their gradients and the optimizer stay fp32; autocast computes the loss in fp32 (on
-    CUDA also softmax and layer norm; the CPU's autocast runs those in the lower precision). A gradient ``scaler``
-    multiplies the loss by its scale before backward, so that fp16's small gradients do not round to zero; the
-    gradients in ``.grad`` are then that many times too large until ``optimizer_step`` divides them.
-    """
-    with torch.autocast(batch["labels"].device.type, dtype=amp, enabled=amp is not None):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        loss = loss_fn(logits, batch["labels"])
-    (loss * scale if scaler is None else scaler.scale(loss * scale)).backward()
-    return loss.item()
-
-
-def accumulate(model: nn.Module, batches: list[dict], loss_fn=None, amp: torch.dtype | None = None,
-               scaler: torch.amp.GradScaler | None = None) -> float:
-    """Forward and backward through each micro-batch of ``batches``: the gradients of one batch of all their
-    examples are then in ``.grad``, ready for one optimizer step. Returns that batch's mean loss.
-
-    Each micro-batch's loss (a mean over its examples) is weighted by its share of all the examples, so
-    micro-batches of unequal size (an epoch's last) give the mean over every example, as one batch would;
-    padding is no example, and a loss per token would be weighted by tokens instead. DDP and FSDP2 average the
-    ranks with equal weights: the mean over every rank's examples needs as many examples on each rank per step
-    (DistributedSampler gives each rank as many). Every micro-batch but the last runs its forward and backward
-    inside ``no_gradient_sync`` (DDP decides in forward whether backward communicates): DDP and FSDP2
-    communicate once per optimizer step. ``amp`` and ``scaler``: as in ``forward_backward``.
-    """
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
-    examples = sum(len(batch["labels"]) for batch in batches)
-    mean = 0.0
-    for index, batch in enumerate(batches):
-        share = len(batch["labels"]) / examples
-        with nullcontext() if index == len(batches) - 1 else no_gradient_sync(model):
-            mean += share * forward_backward(model, batch, loss_fn, share, amp, scaler)
-    return mean
-
-
-def optimizer_step(optimizer, scheduler=None, scaler: torch.amp.GradScaler | None = None) -> bool:
-    """Update the weights from the gradients, move the learning-rate schedule on, and clear the gradients; returns
-    whether the weights were updated.
-
-    With a gradient ``scaler`` (fp16), the gradients are divided by its scale first, once per optimizer step
-    (after the last micro-batch). If any of them holds inf or nan (the scaled loss overflowed fp16), the update is
-    skipped and the scaler halves its scale, which is how the scaler tells (``torch.amp.GradScaler.update``); after
-    ``growth_interval`` steps without one (2000 by default) it doubles the scale. The learning-rate schedule moves
-    on only with an update.
-    """
-    updated = True
-    if scaler is None:
-        optimizer.step()
-    else:
-        scale = scaler.get_scale()
-        scaler.step(optimizer)  # unscales, then steps unless a gradient holds inf or nan
-        scaler.update()
-        updated = scaler.get_scale() >= scale
-    if scheduler is not None and updated:
-        scheduler.step()
-    optimizer.zero_grad()
-    return updated
+    return progress.batch_losses
 
 
 def time_training_step(model: nn.Module, batch: dict[str, torch.Tensor], loss_fn=None) -> float:
@@ -194,7 +142,7 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     ``train_loss`` is the mean of the epoch's step losses, which are kept in ``batch_losses`` for plots;
     ``timed`` adds the epoch's training ``seconds``. ``accumulation`` and ``amp``: as in ``train_epoch``; the
     scheduler steps once per optimizer step. fp16 (``amp=torch.float16``) needs a gradient ``scaler``
-    (``torch.amp.GradScaler``, see ``optimizer_step``): each step it skips is printed, and counted in the row's
+    (``torch.amp.GradScaler``, see helpers.step): each step it skips is printed, and counted in the row's
     ``skipped_steps``; the checkpoints keep its state. With ``checkpoints`` the run is saved as it goes (every
     ``checkpoints.every`` steps and after each epoch), and a run started again continues from the latest
     checkpoint to exactly the weights it would have reached uninterrupted (``resume=False``: it starts afresh
@@ -217,8 +165,9 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     for epoch in range(progress.epoch + 1, epochs + 1):
         set_sampler_epoch(train_loader, epoch)
         start = time.perf_counter()
-        batch_losses = train_epoch_from(progress, model, train_loader, optimizer, scheduler, checkpoints, resume_rng,
-                                        accumulation=accumulation, amp=amp, scaler=scaler)
+        batch_losses = train_epoch(model, train_loader, optimizer, scheduler, progress=progress,
+                                   checkpoints=checkpoints, resume_rng=resume_rng, accumulation=accumulation, amp=amp,
+                                   scaler=scaler)
         resume_rng = None
         row = {"epoch": epoch, "train_loss": mean_over_processes(batch_losses, input_device(model))}
         row |= ({"seconds": time.perf_counter() - start} if timed else {}) | {"batch_losses": batch_losses}
@@ -231,7 +180,13 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
                 f"val accuracy {val['accuracy']:.2f}" + (f"  ({row['seconds']:.1f} s)" if timed else "")
                 + (f"  {row['skipped_steps']} step(s) skipped" if row.get("skipped_steps") else ""))
         barrier()  # the others wait for rank 0's evaluation
-        end_epoch(progress, row, model, optimizer, scheduler, train_loader, checkpoints, scaler)
+        progress.history.append(row)
+        progress.epoch, progress.batch, progress.batch_losses = progress.epoch + 1, 0, []
+        if checkpoints is not None:  # marked best if its val_loss is the lowest so far (rows without one never are)
+            progress.epoch_start = epoch_start_state(train_loader)  # where the next epoch starts
+            best = "val_loss" in row and row["val_loss"] <= min(r["val_loss"] for r in progress.history
+                                                                 if "val_loss" in r)
+            checkpoints.save(model, optimizer, scheduler, progress, best=best, scaler=scaler)
     return progress.history
 
 
@@ -260,45 +215,3 @@ def mean_over_processes(values: list[float], device: torch.device) -> float:
     total = torch.tensor(mean, dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
-
-
-def train_epoch_from(progress: Progress, model: nn.Module, loader, optimizer, scheduler=None,
-                     checkpoints: Checkpoints | None = None, resume_rng: dict | None = None, *,
-                     accumulation: int = 1, amp: torch.dtype | None = None,
-                     scaler: torch.amp.GradScaler | None = None) -> list[float]:
-    """``train_epoch`` for the epoch ``progress`` stands in: skip the batches it already trained, keep
-    ``progress`` up to date, save every ``checkpoints.every`` steps; returns all the epoch's step losses.
-
-    ``progress.step`` counts optimizer steps (``progress.skipped_steps`` those the gradient ``scaler`` skipped,
-    each printed), ``progress.batch`` the epoch's batches trained (what a resumed epoch skips). Call it on every
-    process; ``resume_rng`` comes from ``Checkpoints.resume``.
-    """
-    progress.epoch_start = epoch_start_state(loader)
-
-    def after_step(loss: float, batches: int, updated: bool) -> None:
-        progress.step, progress.batch = progress.step + 1, batches
-        progress.batch_losses.append(loss)
-        if not updated:  # the same on every process: DDP's gradients are equal, FSDP2's scaler asks every shard
-            progress.skipped_steps += 1
-            say(f"step {progress.step}: inf or nan in the gradients, update skipped; gradient scale lowered to "
-                f"{scaler.get_scale():g} ({progress.skipped_steps} skipped so far)")
-        # the epoch's last step is saved by end_epoch, together with the epoch's evaluation
-        if checkpoints and checkpoints.every and progress.step % checkpoints.every == 0 \
-                and progress.batch < len(loader):
-            checkpoints.save(model, optimizer, scheduler, progress, scaler=scaler)
-
-    train_epoch(model, loader, optimizer, scheduler, after_step=after_step, skip=progress.batch,
-                resume_rng=resume_rng, accumulation=accumulation, amp=amp, scaler=scaler)
-    return progress.batch_losses
-
-
-def end_epoch(progress: Progress, row: dict, model: nn.Module, optimizer, scheduler, loader,
-              checkpoints: Checkpoints | None = None, scaler: torch.amp.GradScaler | None = None) -> None:
-    """Record the finished epoch's ``row`` in ``progress`` and save a checkpoint, marked best if its
-    ``val_loss`` is the lowest so far (rows without one, as on processes that do not evaluate, never are)."""
-    progress.history.append(row)
-    progress.epoch, progress.batch, progress.batch_losses = progress.epoch + 1, 0, []
-    if checkpoints is not None:
-        progress.epoch_start = epoch_start_state(loader)  # where the next epoch starts
-        best = "val_loss" in row and row["val_loss"] <= min(r["val_loss"] for r in progress.history if "val_loss" in r)
-        checkpoints.save(model, optimizer, scheduler, progress, best=best, scaler=scaler)

@@ -7,18 +7,20 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from helpers.torch_private import compiled_inner
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The innermost model of any nesting of DataParallel, DistributedDataParallel and torch.compile.
 
-    Parallel wrappers keep the model in ``.module``. torch.compile's wrapper, a private class, keeps it as its
-    child module ``_orig_mod``: that child tells the wrapper, with no private import.
+    Parallel wrappers keep the model in ``.module``; torch.compile's wrapper, a private class, keeps it as its child
+    module ``_orig_mod`` (``helpers.torch_private.compiled_inner``).
     """
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
-        elif "_orig_mod" in dict(model.named_children()):
-            model = model._orig_mod
+        elif (inner := compiled_inner(model)) is not None:
+            model = inner
         else:
             return model
 

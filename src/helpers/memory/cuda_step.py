@@ -162,7 +162,7 @@ def measure_fsdp_rank(batch_size: int, seq_len: int) -> None:
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device))
     if dist.get_rank() == 0:
         print(json.dumps({"backend": dist.get_backend(), "peaks": peaks}), flush=True)
-    distributed.leave_process_group()
+    distributed.leave_process_group(model)
 
 
 if __name__ == "__main__":

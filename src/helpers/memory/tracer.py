@@ -32,6 +32,7 @@ from helpers.memory.simulated_gpu import SimulatedGpu
 from helpers.torch_private import FakeTensorMode
 from helpers.memory.tracker import tracking
 from helpers.net import Net
+from helpers.step import train_step
 
 ATTENTION_KERNELS = ("sdpa", "eager")
 OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
@@ -110,7 +111,8 @@ def trace_steps(model: nn.Module, batch_sizes: tuple[int, ...], seq_len: int, *,
                 gpu: GpuModel = GPUS["H200"], optimizer_impl: str = "foreach",
                 set_to_none: bool = True) -> list[StepMemory]:
     """Run one Adam step of ``model`` under MemTracker, after a warm-up that creates Adam's state, for each of
-    ``batch_sizes``: each step after the first starts from what the warm-up left (the step before leaves the model,
+    ``batch_sizes``: the step training takes (``helpers.step.train_step``), each of its parts filed under the category
+    of what it makes. Each step after the first starts from what the warm-up left (the step before leaves the model,
     Adam and the scaler as the warm-up did), so one warm-up serves several batch sizes. On a ``device``, each step's
     log is the warm-up's events followed by its own, as if it had been traced alone (tests compare the two).
 
@@ -123,7 +125,8 @@ def trace_steps(model: nn.Module, batch_sizes: tuple[int, ...], seq_len: int, *,
     gradients once before the optimizer step, as ``--amp fp16`` trains: its tensors (the scale, the growth
     tracker, the scaled loss, the inverse scale and found_inf with their per-device copies) are traced with the
     optimizer's state. ``scaler.step`` would also read found_inf on the host (``.item()``), which a fake tensor
-    cannot and which allocates nothing on the GPU, so the step is ``unscale_``, ``optimizer.step``, ``update``.
+    cannot and which allocates nothing on the GPU, so the step reads no value (``host_reads=False``): ``unscale_``,
+    ``optimizer.step``, ``update``.
 
     With a ``device`` (a ``SimulatedGpu`` that has seen the model made), the step is replayed into it instead of
     MemTracker, and each peak is the moment its allocated bytes (``max_memory_allocated``) are highest.
@@ -146,49 +149,25 @@ def trace_steps(model: nn.Module, batch_sizes: tuple[int, ...], seq_len: int, *,
 
     def batch(size, length):
         with watch.phase("batch"):
-            return (_random_ids(vocab_size, (size, length), generator, model),
-                    _random_ids(2, (size,), generator, model))
+            return {"input_ids": _random_ids(vocab_size, (size, length), generator, model),
+                    "labels": _random_ids(2, (size,), generator, model)}
 
-    def forward_backward(input_ids, labels, record=False):
-        with watch.phase("activations"), kernels:
-            loss = nn.functional.cross_entropy(model(input_ids), labels) / accumulation
-        after_forward = watch.now() if record else None
-        with watch.phase("scaler"):
-            scaled = scaler.scale(loss) if scaler else loss  # the loss itself stays alive, as a training loop keeps it
-        with watch.phase("temporaries", backward=True):
-            scaled.backward()
-        return after_forward
-
-    def optimizer_step():
-        if scaler:
-            with watch.phase("scaler"):
-                scaler.unscale_(optimizer)
-        with watch.phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
-        if scaler:
-            with watch.phase("scaler"):
-                scaler.update()
+    def step(micro_batches: list[dict], phases: _StepPhases) -> None:
+        train_step(model, micro_batches, optimizer, scaler=scaler, set_to_none=set_to_none, phase=phases,
+                   host_reads=False)
 
     # Warm-up on a small batch: Adam creates its two moments at the first step, for the parameters that got
     # a gradient (not the pooler, which Net's loss does not use).
-    forward_backward(*batch(1, 8))
-    optimizer_step()
+    step([batch(1, 8)], _StepPhases(watch, kernels))
     watch.warmed_up()
     steps = []
     for batch_size in batch_sizes:
         watch.restart()
-        input_ids, labels = batch(batch_size // accumulation, seq_len)
-        with watch.step():
-            after_forward = forward_backward(input_ids, labels, record=True)
-            for _ in range(accumulation - 1):
-                watch.next_micro_batch()
-                forward_backward(input_ids, labels)
-        backward_peak = watch.peak
-        with watch.step():
-            optimizer_step()
-        steps.append(watch.result(after_forward, backward_peak))
-        del input_ids, labels
+        micro_batch, phases = batch(batch_size // accumulation, seq_len), _StepPhases(watch, kernels)
+        with phases.measuring():
+            step([micro_batch] * accumulation, phases)
+        steps.append(watch.result(phases.after_forward, phases.peaks["micro-batches"]))
+        del micro_batch
     return steps
 
 
@@ -208,6 +187,50 @@ def _random_ids(high: int, shape: tuple[int, ...], generator: torch.Generator, m
     return torch.randint(0, high, shape, generator=generator)
 
 
+class _StepPhases:
+    """train_step's parts as trace_step sees them: each under the category of what it makes, the forward under
+    CUDA-like kernels (which emulate CUDA's autocast, so train_step's own stays off). While ``measuring``, the
+    micro-batches and the update are traced as two parts with a peak each, and what is held when the first backward
+    starts is kept (``after_forward``)."""
+
+    CATEGORIES = {"forward": "activations", "scale": "scaler", "backward": "temporaries", "unscale": "scaler",
+                  "optimizer": "optimizer", "update": "scaler"}
+
+    def __init__(self, watch, kernels: CudaLikeKernels):
+        self.watch, self.kernels = watch, kernels
+        self.part, self.parts = None, contextlib.ExitStack()  # while measuring: the part traced now
+        self.peaks, self.after_forward = {}, None
+
+    @contextlib.contextmanager
+    def measuring(self):
+        self.part = "start"
+        try:
+            yield
+        finally:
+            self.begin(None)
+
+    def begin(self, part: str | None) -> None:
+        """End the part traced now (keeping its peak), and trace ``part`` with a fresh watch of its own."""
+        if self.part in ("micro-batches", "update"):
+            self.parts.close()
+            self.peaks[self.part] = self.watch.peak
+        self.part = part
+        if part is not None:
+            self.parts.enter_context(self.watch.step())
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.part is not None:
+            part = "update" if name in ("unscale", "optimizer", "update") else "micro-batches"
+            if part != self.part:
+                self.begin(part)
+            if name == "scale" and self.after_forward is None:
+                self.after_forward = self.watch.now()
+        with self.watch.phase(self.CATEGORIES[name], backward=name == "backward"):
+            with self.kernels if name == "forward" else contextlib.nullcontext():
+                yield
+
+
 class _TrackerWatch:
     """trace_step's view through PyTorch's MemTracker (real or fake tensors, no GPU model): categories at its
     peak, which counts the bytes tensors ask for."""
@@ -221,9 +244,6 @@ class _TrackerWatch:
 
     def now(self) -> dict[str, int]:
         return self.tracking.categories("current")
-
-    def next_micro_batch(self) -> None:
-        pass  # tracking() starts the tracker's module statistics afresh at each forward
 
     def warmed_up(self) -> None:
         pass
@@ -265,9 +285,6 @@ class _DeviceWatch:
 
     def now(self) -> dict[str, int]:
         return self.device.read("after_forward")
-
-    def next_micro_batch(self) -> None:
-        pass
 
     def warmed_up(self) -> None:
         self.warm_up = len(self.device.log)
