@@ -19,7 +19,8 @@ set -euo pipefail
 
 checkpoint_dir=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_NAME}
 nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:?"no GPU on this node: ask for some (--gpus-per-node) or set NPROC_PER_NODE"}}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # one per line (no pipe into head: pipefail, SIGPIPE)
+head_node=${nodes%%$'\n'*}
 resume=()
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume); fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's own default, set here so that it does not warn
