@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -50,8 +51,9 @@ def execute(source: Path, scratch: Path) -> tuple[list[str], list[str], float]:
     target.parent.mkdir(parents=True, exist_ok=True)
     notebook = nbformat.read(source, as_version=4)
     start = time.monotonic()
-    NotebookClient(notebook, timeout=1200, allow_errors=True, record_timing=False,
-                   resources={"metadata": {"path": str(target.parent)}}).execute()
+    with open(scratch / "kernels.log", "ab") as log:  # the kernels' own stderr (jupyter_client's notices), not a cell's
+        NotebookClient(notebook, timeout=1200, allow_errors=True, record_timing=False,
+                       resources={"metadata": {"path": str(target.parent)}}).execute(stderr=log)
     nbformat.write(notebook, target)
     return *problems(notebook), time.monotonic() - start
 
@@ -59,7 +61,8 @@ def execute(source: Path, scratch: Path) -> tuple[list[str], list[str], float]:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers.checks.torch_range", description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", nargs="*", type=Path, help="only these (default: the whole series)")
-    parser.add_argument("--keep", type=Path, help="execute into this folder and keep it (default: a temporary one)")
+    parser.add_argument("--keep", type=Path, help="execute into this folder and keep it (default: a temporary one, "
+                                                   "kept only when a notebook fails)")
     args = parser.parse_args()
     os.environ.update(NOTEBOOK_ENV | GPUS_HIDDEN)  # before torch is imported, here and in every kernel
     import torch
@@ -78,6 +81,10 @@ def main() -> int:
               + (f"; warnings: {'; '.join(warnings)}" if warnings else ""), flush=True)
     print(f"torch {torch.__version__}: {len(notebooks) - failed} of {len(notebooks)} notebooks ran without an error "
           f"outside raises-exception cells; {warned} wrote a warning", flush=True)
+    if failed and not args.keep:
+        print(f"the executed notebooks stay in {scratch}", flush=True)
+    elif not args.keep:
+        shutil.rmtree(scratch)
     return 1 if failed else 0
 
 
