@@ -11,24 +11,18 @@ import pytest
 
 from helpers import finetune
 from helpers.checks.training_checks import BATCHES_PER_EPOCH, RESUME_RUN, SAVE_EVERY, finetune_command, kill_and_resume
-from helpers.preemption import EXIT_STATUS, SIGNALS, StopSignals
+from helpers.preemption import EXIT_STATUS, SIGNALS, StopAtStepBoundary
 
 
-@pytest.fixture
-def handlers():
-    """This process's handlers of the stop signals, put back afterwards (StopSignals replaces them)."""
-    saved = {number: signal.getsignal(number) for number in SIGNALS}
-    yield
-    for number, handler in saved.items():
-        signal.signal(number, handler)
-
-
-def test_a_signal_is_noted_not_obeyed_and_the_first_one_is_the_answer(handlers):
-    signals = StopSignals()
-    assert signals.agreed(None) is None
-    os.kill(os.getpid(), signal.SIGUSR1)  # without the handler, this would end the test process
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert signals.agreed(None) == "SIGUSR1"
+def test_inside_a_signal_is_noted_not_obeyed_and_the_handlers_before_come_back():
+    """A notebook's kernel calls helpers.finetune.main: SIGTERM must end it again once the run is over."""
+    before = {number: signal.getsignal(number) for number in SIGNALS}
+    with StopAtStepBoundary(None, None, None, None, [], None) as stop:
+        assert stop.agreed() is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # without the handler, this would end the test process
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == "SIGUSR1"  # the first one; ranks that got different ones agree on the highest
+    assert {number: signal.getsignal(number) for number in SIGNALS} == before
 
 
 def signal_when_saved(latest, number: int) -> threading.Thread:
@@ -43,13 +37,13 @@ def signal_when_saved(latest, number: int) -> threading.Thread:
     return thread
 
 
-def test_one_process_stopped_by_sigusr1_saves_the_next_step_and_resumes_bitwise(tmp_path, handlers, capsys):
+def test_one_process_stopped_by_sigusr1_saves_the_next_step_and_resumes_bitwise(tmp_path, capsys):
     saving = [*RESUME_RUN, "--checkpoint-dir", str(tmp_path), "--save-every", str(SAVE_EVERY)]
     watcher = signal_when_saved(tmp_path / "latest", signal.SIGUSR1)
     with pytest.raises(SystemExit) as stopped:
         finetune.main(saving)
     watcher.join()
-    assert stopped.value.code == EXIT_STATUS
+    assert stopped.value.code == EXIT_STATUS and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # put back
     said = capsys.readouterr().out
     step = int(said.split("stopped by SIGUSR1 after step ")[1].split()[0])
     assert SAVE_EVERY <= step < BATCHES_PER_EPOCH  # the first step boundary after the first checkpoint: mid-epoch

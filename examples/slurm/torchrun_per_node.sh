@@ -8,13 +8,14 @@
 # to every process of the job, SIGKILL after a grace period (KillWait, 30 s by default), and puts the job back in
 # the queue itself. With `#SBATCH --signal=B:USR1@120` it sends USR1 to this shell 120 s before the time limit; this
 # script passes SIGTERM on to the processes (`scancel --signal=TERM`: srun itself would kill them) and requeues the
-# job once they have stopped. Either way every process of helpers.finetune saves the next step into CHECKPOINT_DIR
-# and exits with status 75 (helpers.preemption); torchrun, which gives its workers 30 s after a SIGTERM, exits 1. A
-# requeued job (SLURM_RESTART_COUNT > 0) runs the same command with --resume and continues from that checkpoint.
+# job once they have stopped. (Without `B:`, USR1 goes to torchrun too, which does not handle it and dies.) Either
+# way every process of helpers.finetune saves its next step into CHECKPOINT_DIR and exits with status 75
+# (helpers.preemption); torchrun, which gives its workers 30 s after a SIGTERM, exits 1. A requeued job
+# (SLURM_RESTART_COUNT > 0) runs the same command with --resume and continues from that checkpoint.
 #
-# From the environment: CHECKPOINT_DIR (default checkpoints/$SLURM_JOB_NAME: on storage every node sees), NPROC_PER_NODE
-# (default: the node's GPUs, SLURM_GPUS_ON_NODE), RDZV_PORT (default 29500 + the job id mod 1000), PYTHON (default
-# .venv/bin/python, relative to the folder the job runs in: the repository's, on shared storage).
+# From the environment: CHECKPOINT_DIR (default checkpoints/$SLURM_JOB_NAME: on storage every node sees),
+# NPROC_PER_NODE (default: the node's GPUs, SLURM_GPUS_ON_NODE), RDZV_PORT (default 29500 + the job id mod 1000),
+# PYTHON (default .venv/bin/python, relative to the folder the job runs in: the repository's, on shared storage).
 set -euo pipefail
 
 checkpoint_dir=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_NAME}

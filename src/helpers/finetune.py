@@ -14,8 +14,8 @@
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
 helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
 (read it with helpers.launch.last_json); --output-dir also gets metrics.json with every batch's loss.
-With --checkpoint-dir, SIGTERM or SIGUSR1 (a scheduler's notice) stops every process at the next step boundary
-with a checkpoint of that step, exit status 75 (helpers.preemption); --resume continues from it.
+With --checkpoint-dir, SIGTERM or SIGUSR1 during training (a scheduler's notice) stops every process at the next
+step boundary with a checkpoint of that step, exit status 75 (helpers.preemption); --resume continues from it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -252,7 +253,6 @@ def report(args: argparse.Namespace, data: own_data.DataFiles, model, result: di
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    stop_signals = preemption.StopSignals() if args.checkpoint_dir else None  # from now on SIGTERM stops at a step
     if args.deterministic:
         use_deterministic_algorithms()  # before anything runs on a GPU
     problem = distributed.device_problem(args.device)
@@ -282,13 +282,14 @@ def main(argv: list[str] | None = None) -> dict:
     model, optimizer, scheduler = build_training(args, len(data.labels), device, result["steps"])
     checkpoints = Checkpoints(args.checkpoint_dir, args.save_every, labels=data.labels) if args.checkpoint_dir else None
     scaler = levers.gradient_scaler(args.amp, device)
-    on_step = preemption.stop_at_step_boundary(stop_signals, checkpoints, model, optimizer, scheduler, train_loader,
-                                               device, scaler) if checkpoints else None
+    stop = preemption.StopAtStepBoundary(checkpoints, model, optimizer, scheduler, train_loader, device, scaler) \
+        if checkpoints else None
     torch.manual_seed(args.seed + dist.get_rank())  # a different dropout mask on each rank
     try:  # a resumed run gets each rank's own random state back from the checkpoint
-        result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
-                                resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
-                                amp=levers.amp_dtype(args.amp), scaler=scaler, on_step=on_step)
+        with stop or nullcontext():  # while it trains, SIGTERM and SIGUSR1 stop every rank at the next step, saved
+            result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
+                                    resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
+                                    amp=levers.amp_dtype(args.amp), scaler=scaler, on_step=stop)
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
         distributed.stop_everywhere(str(error))
     except preemption.Preempted as stopped:  # every rank saved the same step

@@ -27,40 +27,47 @@ class Preempted(Exception):
     """Every rank saved the same step and the run stops there; the message says where it stopped and how to go on."""
 
 
-class StopSignals:
-    """Note SIGTERM and SIGUSR1 instead of dying of them; ``agreed`` tells every rank at once whether any was told."""
+class StopAtStepBoundary:
+    """Inside ``with``, SIGTERM and SIGUSR1 are noted instead of ending the process (the handlers before are put back
+    after it, so a notebook's kernel keeps its own). Called after each optimizer step as ``helpers.train.fit``'s
+    ``on_step``, it stops the run there once the ranks agree that a signal came: every rank saves this step into
+    ``checkpoints`` and raises Preempted. The epoch's last step is left to ``fit``, which saves it after the
+    evaluation; the stop then comes one step later."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = SIGNALS):
-        self.received = 0  # the number of the signal this process got, 0 for none
-        for number in signals:
-            signal.signal(number, self.note)
+    def __init__(self, checkpoints, model, optimizer, scheduler, loader, device: torch.device, scaler=None,
+                 signals: tuple[signal.Signals, ...] = SIGNALS):
+        self.checkpoints, self.model, self.optimizer, self.scheduler = checkpoints, model, optimizer, scheduler
+        self.loader, self.device, self.scaler, self.signals = loader, device, scaler, signals
+        self.received = 0  # the number of the first signal this process got, 0 for none
+        self.before = {}
+
+    def __enter__(self) -> StopAtStepBoundary:
+        self.before = {number: signal.signal(number, self.note) for number in self.signals}
+        return self
+
+    def __exit__(self, *exception) -> None:
+        for number, handler in self.before.items():
+            signal.signal(number, handler)
 
     def note(self, number: int, frame) -> None:
         self.received = self.received or number
 
-    def agreed(self, device: torch.device) -> str | None:
+    def agreed(self) -> str | None:
         """The name of a signal some rank received (the highest number, if they differ), or None. A collective:
-        call it on every rank at the same step."""
+        every rank calls it at the same step."""
         received = self.received
         if with_others():
-            flag = torch.tensor(received, device=device)
+            flag = torch.tensor(received, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             received = int(flag.item())
         return signal.Signals(received).name if received else None
 
-
-def stop_at_step_boundary(signals: StopSignals, checkpoints, model, optimizer, scheduler, loader,
-                          device: torch.device, scaler=None):
-    """The callback ``helpers.train.fit`` calls after each optimizer step (``on_step``): once the ranks agree that a
-    stop signal came, every rank saves this step into ``checkpoints`` and raises Preempted. The epoch's last step is
-    left to ``fit``, which saves it after the evaluation; the stop then comes one step later."""
-    def on_step(progress) -> None:
-        if progress.batch >= len(loader):
+    def __call__(self, progress) -> None:
+        if progress.batch >= len(self.loader):
             return
-        received = signals.agreed(device)
+        received = self.agreed()
         if received:
-            checkpoints.save(model, optimizer, scheduler, progress, scaler=scaler)
+            self.checkpoints.save(self.model, self.optimizer, self.scheduler, progress, scaler=self.scaler)
             raise Preempted(f"stopped by {received} after step {progress.step} (epoch {progress.epoch + 1}, batch "
-                            f"{progress.batch}): every process saved it in {checkpoints.latest()}; the same command "
-                            f"with --resume continues from there")
-    return on_step
+                            f"{progress.batch}): every process saved it in {self.checkpoints.latest()}; the same "
+                            f"command with --resume continues from there")
