@@ -38,7 +38,8 @@ def signal_when_saved(latest, number: int) -> threading.Thread:
 
 
 def test_one_process_stopped_by_sigusr1_saves_the_next_step_and_resumes_bitwise(tmp_path, capsys):
-    saving = [*RESUME_RUN, "--checkpoint-dir", str(tmp_path), "--save-every", str(SAVE_EVERY)]
+    training = [*RESUME_RUN, "--val-examples", "16"]  # 2 epochs of 8 steps; a short evaluation, so three runs are cheap
+    saving = [*training, "--checkpoint-dir", str(tmp_path), "--save-every", str(SAVE_EVERY)]
     watcher = signal_when_saved(tmp_path / "latest", signal.SIGUSR1)
     with pytest.raises(SystemExit) as stopped:
         finetune.main(saving)
@@ -52,7 +53,7 @@ def test_one_process_stopped_by_sigusr1_saves_the_next_step_and_resumes_bitwise(
 
     resumed = finetune.main([*saving, "--resume"])
     assert f"resumed at step {step}: epoch 1, batch {step}" in capsys.readouterr().out
-    uninterrupted = finetune.main(RESUME_RUN)
+    uninterrupted = finetune.main(training)
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     assert losses(resumed) == losses(uninterrupted)
 
