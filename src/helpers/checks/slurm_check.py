@@ -247,9 +247,12 @@ def step_of(name: str) -> int:
 
 
 def restart_now(cluster: Cluster, job: str, restarts: int) -> None:
-    """Wait until the job is back in the queue after its ``restarts``-th requeue, then let it start at once."""
+    """Wait until the job is back in the queue after its ``restarts``-th requeue and its nodes are idle again, then
+    let it start at once. Slurm holds a requeued job for about two minutes; started before the old run's batch
+    shell has ended, the new run would be charged with that shell's exit status (seen here: the job ended FAILED)."""
     wait_for(f"job {job} requeued", lambda: (state := cluster.job_state(job))["JobState"] == "PENDING"
              and int(state["Restarts"]) == restarts)
+    cluster.wait_until_idle()
     sh("scontrol", "update", f"JobId={job}", "StartTime=now", env=cluster.env)
 
 
