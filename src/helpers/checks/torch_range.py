@@ -51,9 +51,9 @@ def execute(source: Path, scratch: Path) -> tuple[list[str], list[str], float]:
     target.parent.mkdir(parents=True, exist_ok=True)
     notebook = nbformat.read(source, as_version=4)
     start = time.monotonic()
-    with open(scratch / "kernels.log", "ab") as log:  # the kernels' own stderr (jupyter_client's notices), not a cell's
+    with open(scratch / "kernels.log", "ab") as log:  # what kernels write outside any cell (C++ logs, notices)
         NotebookClient(notebook, timeout=1200, allow_errors=True, record_timing=False,
-                       resources={"metadata": {"path": str(target.parent)}}).execute(stderr=log)
+                       resources={"metadata": {"path": str(target.parent)}}).execute(stdout=log, stderr=log)
     nbformat.write(notebook, target)
     return *problems(notebook), time.monotonic() - start
 
