@@ -20,7 +20,6 @@ Prints a transcript as it goes and exits 1 if the resumed result differs or anyt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import secrets
@@ -83,6 +82,7 @@ class Cluster:
     def __init__(self, work: Path):
         self.work, self.tag = work, f"sc{os.getpid() % 100000}"
         self.namespaces: list[str] = []
+        self.bridge: str | None = None
         self.pid_files: list[tuple[str, Path]] = []
         self.nodes: list[tuple[str, str]] = []  # (name, address)
         self.env = os.environ | {"SLURM_CONF": str(work / "slurm.conf")}
@@ -130,17 +130,16 @@ class Cluster:
         self.pid_files.append(("munged", folder / "munged.pid"))
 
     def make_namespaces(self, subnet: str) -> None:
-        bridge = f"{self.tag}br"
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        self.bridge = bridge
-        sh("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
-        sh("ip", "link", "set", bridge, "up")
+        self.bridge = f"{self.tag}br"
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{subnet}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for number in (1, 2):
             namespace, veth = f"{self.tag}n{number}", f"{self.tag}v{number}"
             sh("ip", "netns", "add", namespace)
             self.namespaces.append(namespace)
             sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
-            sh("ip", "link", "set", veth, "master", bridge, "up")
+            sh("ip", "link", "set", veth, "master", self.bridge, "up")
             sh("ip", "-n", namespace, "addr", "add", f"{subnet}.1{number}/24", "dev", "eth0")
             sh("ip", "-n", namespace, "link", "set", "eth0", "up")
             sh("ip", "-n", namespace, "link", "set", "lo", "up")
@@ -220,9 +219,9 @@ KillWait=30
     def remove_namespaces(self) -> None:
         for namespace in self.namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-        if getattr(self, "bridge", None):
+        if self.bridge:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        self.namespaces = []
+        self.namespaces, self.bridge = [], None
 
 
 def wait_for(what: str, ready, timeout: float = TIMEOUT, every: float = 0.2):
