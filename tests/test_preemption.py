@@ -38,7 +38,7 @@ def signal_when_saved(latest, number: int) -> threading.Thread:
 
 
 def test_one_process_stopped_by_sigusr1_saves_the_next_step_and_resumes_bitwise(tmp_path, capsys):
-    training = [*RESUME_RUN, "--val-examples", "16"]  # 2 epochs of 8 steps; a short evaluation, so three runs are cheap
+    training = [*RESUME_RUN, "--epochs", "1", "--val-examples", "16"]  # 8 steps, a short evaluation: three runs, cheap
     saving = [*training, "--checkpoint-dir", str(tmp_path), "--save-every", str(SAVE_EVERY)]
     watcher = signal_when_saved(tmp_path / "latest", signal.SIGUSR1)
     with pytest.raises(SystemExit) as stopped:
