@@ -29,7 +29,8 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_BUILD = $(PYTHON) tools/torch_build.py --torch $(TORCH) --cpu-index $(TORCH_CPU_INDEX)
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
-.PHONY: lab venv venv-check test unit prose notebooks tiny-model docs bench stress wheelhouse gpu-check memory-chart clean
+.PHONY: lab venv venv-check test unit prose notebooks torch-range slurm-check tiny-model docs bench stress wheelhouse gpu-check \
+	memory-chart clean
 
 # Jupyter refuses to start as root (containers, CI images) unless told so. It opens on 00_setup.ipynb (what
 # WORKSHOP.md runs first), with the lab settings of jupyter-config/ (no news prompt) as defaults under the user's own.
@@ -72,6 +73,31 @@ notebooks: $(STAMP)
 docs: $(DEV_STAMP)
 	$(BIN)/python docs/build.py build/site $(if $(filter undefined,$(origin GPU_RUNS)),,--gpu-runs $(GPU_RUNS))
 
+# Every notebook executed under another torch release, everything else at its pins (outputs not compared; an error
+# outside a raises-exception cell fails): make torch-range TORCH_VERSION=2.10.0. Its venv goes outside the repository,
+# into TORCH_VENVS/<version> (PyPI's torch is the CUDA build: 5 to 8 GB each; delete those you no longer need).
+TORCH_VENVS ?= $(abspath $(CURDIR)/../torchvenvs)
+TORCH_VENV = $(TORCH_VENVS)/$(TORCH_VERSION)
+ifneq ($(filter torch-range,$(MAKECMDGOALS)),)
+ifeq ($(TORCH_VERSION),)
+$(error make torch-range TORCH_VERSION=X.Y.Z: which torch release to run the notebooks under (README, 'Which torch'))
+endif
+endif
+torch-range: $(TORCH_VENV)/.installed
+	$(CPU_NB_ENV) PYTHONPATH=$(CURDIR)/src $(TORCH_VENV)/bin/python -m helpers.checks.torch_range $(TORCH_RANGE_ARGS)
+
+$(TORCH_VENVS)/%/.installed: requirements.txt
+	@$(PYTHON) tools/venv_ready.py $(TORCH_VENVS)/$*
+	test -d $(TORCH_VENVS)/$* || $(PYTHON) -m venv $(TORCH_VENVS)/$*
+	grep -v '^torch==' requirements.txt > $(TORCH_VENVS)/$*/requirements.txt
+	$(TORCH_VENVS)/$*/bin/python -m pip install --quiet torch==$* -r $(TORCH_VENVS)/$*/requirements.txt
+	touch $@
+
+# A real Slurm on this machine (root; installs Debian's slurm-wlm and munge where missing): two nodes in network
+# namespaces run examples/slurm/finetune-cpu.sbatch, preempted twice, checked bitwise against one machine. ~3 minutes.
+slurm-check: $(STAMP)
+	$(BIN)/python -m helpers.checks.slurm_check
+
 # Side-by-side timings; writes benchmarks/results.md and the table in CONTRIBUTING.md. BENCH_ARGS="--repeats 5"
 bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
@@ -109,7 +135,10 @@ gpu-check: $(STAMP)
 memory-chart: $(STAMP)
 	$(BIN)/python -m helpers.memory.charts docs/img/per_device_memory.png
 
+# venv_ready.py stops, naming the package to install, where `python3 -m venv` cannot work (Debian and Ubuntu ship
+# ensurepip apart, in python3-venv), and removes a .venv that an earlier such failure left without pip.
 $(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) tools/venv_ready.py $(VENV)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(TORCH_BUILD) install $(BIN)/python $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 	$(BIN)/python -m pip install --quiet $(PIP_SOURCE) -r requirements.txt

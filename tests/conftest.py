@@ -1,4 +1,5 @@
-"""Fixtures shared by the site and browser tests."""
+"""Fixtures shared by several test files: the site (site and browser tests), and one uninterrupted two-process training
+run (the kill-and-resume and preemption tests)."""
 
 import importlib.util
 import sys
@@ -29,3 +30,12 @@ def site(docs_build, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("docs") / "site"
     docs_build.build(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_ddp_run() -> dict:
+    """The summary of ``helpers.finetune`` under torchrun, 2 processes, ``RESUME_RUN``, never stopped: what a run
+    killed (test_resume) or preempted (test_preemption) and resumed must end with, bitwise. Run once per session."""
+    from helpers.checks.training_checks import RESUME_RUN, finetune_command, run, summary_of
+
+    return summary_of(run(finetune_command(2, *RESUME_RUN, "--deterministic")))

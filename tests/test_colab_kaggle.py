@@ -9,6 +9,9 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -108,16 +111,100 @@ def test_a_restart_is_asked_for_only_where_the_kernel_holds_an_updated_module():
 
 
 def test_the_report_names_torch_the_gpus_and_what_to_do_next():
-    ready = setup.report("2.13.0+cu126", "2.13.0", ["Tesla T4", "Tesla T4"], [])
-    assert ready == ["torch 2.13.0+cu126 (the platform's; the series is tested with 2.13.0)",
+    versions = {"TESTED": "2.13.0", "NEEDED": "2.10", "NEWEST": "2.14"}
+    ready = setup.report("2.10.0+cu128", versions, ["Tesla T4", "Tesla T4"], [])
+    assert ready == ["torch 2.10.0+cu128 (the platform's, kept; the series ran on torch 2.10 to 2.14)",
                      "GPUs torch sees: 2 (Tesla T4, Tesla T4)", "ready: run the notebook from its next cell"]
-    no_gpu = setup.report("2.12.1+cu124", "2.13.0", [], [])
+    no_gpu = setup.report("2.12.1+cu124", versions, [], [])
     assert "GPUs torch sees: 0; for a GPU, switch the runtime (Colab: Runtime > Change runtime type > T4 GPU; " \
            "Kaggle: Settings > Accelerator > GPU T4 x2)" in no_gpu[1]
-    old = setup.report("2.5.1+cu121", "2.13.0", ["Tesla T4"], [])
-    assert "pip install torch==2.13.0" in old[1] and not any(line.startswith("ready") for line in old)
-    stale = setup.report("2.13.0", "2.13.0", ["Tesla T4"], ["huggingface_hub"])
+    newer = setup.report("2.15.0+cu130", versions, ["Tesla T4"], [])
+    assert newer[0].endswith("the series ran on torch 2.10 to 2.14, not on this newer one yet)") and newer[-1].startswith("ready")
+    old = setup.report("2.9.1+cu126", versions, ["Tesla T4"], [])
+    assert "older than 2.10, so nothing was installed; pip install torch==2.13.0" in old[0]
+    assert not any(line.startswith("ready") for line in old)
+    stale = setup.report("2.13.0", versions, ["Tesla T4"], ["huggingface_hub"])
     assert stale[-1].startswith("restart the session now (Colab: Runtime > Restart session")
+
+
+def stand_in_wheel(folder: Path, name: str, version: str, module: str, code: str = "", requires=()) -> Path:
+    """A wheel of ``name`` ``version`` holding ``module``/__init__.py with ``code`` and ``__version__``."""
+    stem = f"{name.replace('-', '_')}-{version}"
+    files = {f"{module}/__init__.py": f"{code}\n__version__ = {version!r}\n",
+             f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                           + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+             f"{stem}.dist-info/top_level.txt": f"{module}\n"}
+    files[f"{stem}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{stem}.dist-info/RECORD,,\n"
+    wheel = folder / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+STAND_IN_TORCH = """import pynvml  # as torch.cuda does: importing torch imports nvidia-ml-py's module
+class cuda:
+    device_count = staticmethod(lambda: 1)
+    get_device_name = staticmethod(lambda index: "Tesla T4")"""
+
+
+def platform_runtime(tmp_path: Path, torch_version: str) -> Path:
+    """A fresh Python whose own site holds stand-ins at the platform's versions (torch, transformers 4.57.1,
+    nvidia-ml-py 12.535.161, and this package, with its real requirements), before this .venv's site (which gives
+    IPython and pip); and a folder of stand-in wheels at the pinned versions, the only index pip is given."""
+    runtime = tmp_path / "runtime"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(runtime)], check=True)
+    site = Path(next(runtime.glob("lib/python*/site-packages")))
+    (site / "zz-this-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after the stand-ins
+    platform, wheels = tmp_path / "platform", tmp_path / "wheels"
+    platform.mkdir(), wheels.mkdir()
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for wheel in (stand_in_wheel(platform, "torch", torch_version, "torch", STAND_IN_TORCH),
+                  stand_in_wheel(platform, "transformers", "4.57.1", "transformers"),
+                  stand_in_wheel(platform, "nvidia-ml-py", "12.535.161", "pynvml"),
+                  stand_in_wheel(platform, "bert-ja-multigpu-helpers", "0.1.0", "helpers_stand_in", requires=requires)):
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site)
+    pins = setup.pins()
+    stand_in_wheel(wheels, "transformers", pins["transformers"], "transformers")
+    stand_in_wheel(wheels, "nvidia-ml-py", pins["nvidia-ml-py"], "pynvml")
+    repository = tmp_path / "repository"
+    for path in ("tools/colab_kaggle_setup.py", "requirements.txt", "pyproject.toml", "src/helpers/torch_private.py"):
+        (repository / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, repository / path)
+    return runtime
+
+
+@pytest.mark.parametrize("torch_version, before", [("2.10.0+cu128", ""), ("2.10.0+cu128", "import transformers"),
+                                                   ("2.9.1+cu126", "")])
+def test_the_pasted_cell_on_a_platform_runtime(tmp_path, torch_version, before):
+    """The cell as pasted, in a fresh interpreter holding the platform's packages: on a fresh runtime it ends in
+    ready, with no pip error about the platform's torch; where the kernel had imported transformers, pip changes
+    it under the kernel and the cell asks for a restart; below the floor it installs nothing and names the torch."""
+    runtime = platform_runtime(tmp_path, torch_version)
+    work = tmp_path / "content"
+    work.mkdir()
+    env = os.environ | {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "wheels"),
+                        "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
+    env.pop("PYTHONPATH", None)
+    cell = before + "\n" + with_repo(first_cell(), str(tmp_path / "repository"))
+    script = work / "cell.ipy"
+    script.write_text(cell, encoding="utf-8")
+    run = subprocess.run([str(runtime / "bin" / "python"), "-m", "IPython", "--quick", "--no-banner", "--colors=NoColor",
+                          str(script)], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    said = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and "ERROR" not in run.stderr and "Error" not in run.stdout, run.stdout + run.stderr
+    assert said[1] == "GPUs torch sees: 1 (Tesla T4)"
+    if torch_version.startswith("2.9"):
+        assert said[0].startswith("torch 2.9.1+cu126 (the platform's; the series ran on torch 2.10 to 2.14): older "
+                                  "than 2.10, so nothing was installed; pip install torch==2.13.0") and len(said) == 2
+    elif before:
+        assert said[-1].startswith("restart the session now (Colab: Runtime > Restart session; Kaggle: Run > Restart "
+                                   "& clear cell outputs): this kernel imported transformers before pip changed it")
+    else:
+        assert said == ["torch 2.10.0+cu128 (the platform's, kept; the series ran on torch 2.10 to 2.14)",
+                        "GPUs torch sees: 1 (Tesla T4)", "ready: run the notebook from its next cell"]
 
 
 def test_workshops_two_gpu_check_runs_as_notebook_cells(tmp_path):

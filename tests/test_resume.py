@@ -68,10 +68,10 @@ if __name__ == "__main__":
     run(sys.argv[1])
 
 
-def test_torchrun_killed_mid_epoch_and_resumed_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+def test_torchrun_killed_mid_epoch_and_resumed_ends_bitwise_like_an_uninterrupted_run(tmp_path, uninterrupted_ddp_run):
     # make gpu-check runs the same with CUDA; --deterministic changes nothing on the CPU, which is deterministic
     result = kill_and_resume(finetune_command(2, *RESUME_RUN, "--deterministic"), tmp_path / "checkpoints",
-                             tmp_path / "torchrun.log")
+                             tmp_path / "torchrun.log", uninterrupted=uninterrupted_ddp_run)
     assert 0 < result["stopped_at"]["batch"] < BATCHES_PER_EPOCH, result["stopped_at"]  # killed mid-epoch
     assert result["processes_saved"] == 2
     resumed, uninterrupted = result["resumed"], result["uninterrupted"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from helpers import torch_private
 from helpers.memory import categories
-from helpers.torch_private import TESTED, TorchSurfaceMissing, attribute, positional_operator, untested
+from helpers.torch_private import NEEDED, NEWEST, TESTED, TorchSurfaceMissing, attribute, positional_operator, untested
 
 IMPORT_EVERYTHING = ("import helpers.memory.command, helpers.memory.fsdp2_table, helpers.lever_memory, "
                      "helpers.accumulation")
@@ -40,9 +40,29 @@ def test_the_tested_torch_is_the_pinned_one_and_gets_no_warning():
     assert untested_warnings(None) == []
 
 
-def test_another_torch_is_warned_about_once_naming_the_tested_one():
-    (message,) = untested_warnings("2.14.1")
-    assert "tested with torch 2.13.0, this is torch 2.14.1" in message
+def test_a_torch_the_series_ran_on_is_not_warned_about_and_one_outside_is_once():
+    """make torch-range ran every notebook on 2.10.0 and 2.14.1: Colab's 2.10.0+cu128 imports in silence."""
+    assert (NEEDED, NEWEST) == ("2.10", "2.14")
+    assert [untested(version) for version in ("2.10.0+cu128", "2.12.1", "2.14.1")] == [None, None, None]
+    (message,) = untested_warnings("2.15.0")  # on import, once: the predictor and 09's counter import it
+    assert message == ("helpers runs on torch 2.10 to 2.14 (pinned 2.13.0); torch 2.15.0 is newer than any it ran on: "
+                       "parts of it rest on private PyTorch code that may differ (CONTRIBUTING.md, 'Upgrading torch')")
+    assert "torch 2.9.1+cu126 is older than any it ran on" in untested("2.9.1+cu126")
+
+
+def test_the_package_metadata_and_the_colab_cell_read_the_floor_stated_here():
+    """pyproject.toml cannot import it, so a test holds it to NEEDED; the cell reads it without importing torch."""
+    import importlib.util
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={NEEDED}" in dependencies
+    spec = importlib.util.spec_from_file_location("cell", root / "tools" / "colab_kaggle_setup.py")
+    cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cell)
+    assert cell.torch_range() == {"TESTED": TESTED, "NEEDED": NEEDED, "NEWEST": NEWEST}
 
 
 def test_a_missing_surface_fails_in_one_line_naming_the_torch_needed():
@@ -50,7 +70,7 @@ def test_a_missing_surface_fails_in_one_line_naming_the_torch_needed():
         attribute("torch.distributed._tools.no_such_tracker", "MemTracker")
     message = str(raised.value)
     assert isinstance(raised.value, ImportError) and "\n" not in message
-    assert message == (f"helpers needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has no "
+    assert message == (f"helpers needs torch 2.10 or newer (tested with 2.13.0); torch {torch.__version__} has no "
                        f"torch.distributed._tools.no_such_tracker.MemTracker")
     assert isinstance(raised.value.__cause__, ModuleNotFoundError)
     with pytest.raises(TorchSurfaceMissing, match=r"has no torch\.FakeTensorModeThatIsNot$"):
@@ -124,7 +144,7 @@ def test_a_torch_with_neither_collective_fails_in_one_line_naming_the_torch_need
     with pytest.raises(TorchSurfaceMissing) as raised:
         with torch_private.seeing_fsdp2_collectives(lambda kind, tensor: None):
             pass
-    assert str(raised.value) == (f"helpers needs torch 2.13 (tested with 2.13.0); torch {torch.__version__} has "
+    assert str(raised.value) == (f"helpers needs torch 2.10 or newer (tested with 2.13.0); torch {torch.__version__} has "
                                  f"no torch.distributed.reduce_scatter_single or reduce_scatter_tensor (FSDP2's "
                                  f"reduce-scatter)")
     assert hasattr(dist, "all_gather_single")  # nothing was left wrapped
@@ -147,7 +167,7 @@ def test_a_memory_snapshot_is_recorded_written_and_stopped(monkeypatch, tmp_path
     assert calls == [("record", "all", 100_000), "step", ("dump", str(tmp_path / "snapshot.pickle")),
                      ("record", None, 2**63 - 1)]
     monkeypatch.delattr(cuda_memory, "_dump_snapshot")
-    with pytest.raises(TorchSurfaceMissing, match=r"needs torch 2\.13 .* has no torch\.cuda\.memory\._dump_snapshot$"):
+    with pytest.raises(TorchSurfaceMissing, match=r"needs torch 2\.10 or newer .* has no torch\.cuda\.memory\._dump_snapshot$"):
         with torch_private.recording_memory_history("snapshot.pickle"):
             pass
 

@@ -3,12 +3,18 @@
 These platforms keep their own torch, Jupyter and plotting stack, built for their GPUs. This installs the package
 (editable, without its dependencies) and, at the versions of requirements.txt, what the notebooks need besides them;
 makes the package importable in the running kernel; and says in a few lines what the notebooks will find: the
-platform's torch against the tested one, the GPUs torch sees, and whether the session must be restarted first.
-Run again, it installs nothing that is already there.
+platform's torch against the releases the series ran on, the GPUs torch sees, and whether the session must be
+restarted first. Run again, it installs nothing that is already there.
+
+What the kernel had imported is read before anything runs: pip, and torch, which imports nvidia-ml-py's pynvml, add
+modules of their own, and only those imported before the cell make a restart necessary. Below the oldest torch the
+series runs on (helpers.torch_private.NEEDED, read here without importing torch), nothing is installed: the cell
+says which torch to install instead, so that pip's own complaint about the package's torch>= never comes first.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import subprocess
@@ -21,8 +27,6 @@ HOSTED = ("transformers", "tokenizers", "safetensors", "huggingface-hub", "fugas
           "nvidia-ml-py")
 """What the notebooks import that Colab and Kaggle lack or hold at other versions (never torch: theirs is built for
 their GPUs; never the Jupyter stack: it runs the notebook)."""
-TRANSFORMERS_NEEDS = (2, 6)
-"""transformers 5.24 switches PyTorch off below this torch (its import_utils: 'PyTorch >= 2.6 is required')."""
 SWITCH_RUNTIME = "Colab: Runtime > Change runtime type > T4 GPU; Kaggle: Settings > Accelerator > GPU T4 x2"
 RESTART = "Colab: Runtime > Restart session; Kaggle: Run > Restart & clear cell outputs"
 
@@ -42,8 +46,21 @@ def pins(requirements: Path = ROOT / "requirements.txt") -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
+    """{name: version} of every installed distribution; where a name is installed twice, the one imports find."""
     importlib.invalidate_caches()
-    return {normalize(dist.metadata["Name"]): dist.version for dist in metadata.distributions() if dist.metadata["Name"]}
+    found = {}
+    for dist in metadata.distributions():
+        if dist.metadata["Name"]:
+            found.setdefault(normalize(dist.metadata["Name"]), dist.version)
+    return found
+
+
+def torch_range(root: Path = ROOT) -> dict[str, str]:
+    """TESTED (the pinned torch), NEEDED (the oldest every notebook runs on) and NEWEST (the newest they ran on), as
+    helpers.torch_private states them; read from its source, since importing it imports torch."""
+    tree = ast.parse((root / "src" / "helpers" / "torch_private.py").read_text(encoding="utf-8"))
+    return {node.targets[0].id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name) and node.targets[0].id in ("TESTED", "NEEDED", "NEWEST")}
 
 
 def missing(wanted: dict[str, str], have: dict[str, str]) -> list[str]:
@@ -67,18 +84,23 @@ def stale_modules(before: dict[str, str], after: dict[str, str], loaded: set[str
     return sorted(module for module in loaded & set(owners) if changed & {normalize(d) for d in owners[module]})
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version such as '2.10.0+cu128'."""
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
 
 
-def report(torch_version: str, tested: str, gpus: list[str], stale: list[str]) -> list[str]:
-    """What the notebooks will find, one line each; the last line says what to do next."""
-    lines = [f"torch {torch_version} (the platform's; the series is tested with {tested})"]
-    too_old = version_tuple(torch_version) < TRANSFORMERS_NEEDS
+def report(torch_version: str, versions: dict[str, str], gpus: list[str], stale: list[str]) -> list[str]:
+    """What the notebooks will find, one line each; the last line says what to do next. ``versions``: torch_range()."""
+    ran = f"the series ran on torch {versions['NEEDED']} to {versions['NEWEST']}"
+    too_old = release(torch_version) < release(versions["NEEDED"])
     if too_old:
-        lines.append(f"transformers needs torch {'.'.join(map(str, TRANSFORMERS_NEEDS))} or newer and switches "
-                     f"PyTorch off below it: pip install torch=={tested} (a download of several GB), then restart the "
-                     f"session ({RESTART}) and run this cell again")
+        lines = [f"torch {torch_version} (the platform's; {ran}): older than {versions['NEEDED']}, so nothing was "
+                 f"installed; pip install torch=={versions['TESTED']} (a download of several GB), then restart the "
+                 f"session ({RESTART}) and run this cell again"]
+    else:
+        newer = release(torch_version) > release(versions["NEWEST"])
+        lines = [f"torch {torch_version} (the platform's, kept; {ran}" + (", not on this newer one yet)" if newer
+                                                                           else ")")]
     lines.append(f"GPUs torch sees: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else
                                                     f"; for a GPU, switch the runtime ({SWITCH_RUNTIME}) and run "
                                                     f"this cell again"))
@@ -91,19 +113,23 @@ def report(torch_version: str, tested: str, gpus: list[str], stale: list[str]) -
 
 
 def main(root: Path = ROOT) -> list[str]:
-    wanted = pins(root / "requirements.txt")
+    loaded = set(sys.modules)  # what the kernel imported before this cell: pip and torch import more below
+    wanted, versions = pins(root / "requirements.txt"), torch_range(root)
     before = installed()
-    requirements = missing({name: wanted[name] for name in HOSTED}, before)
-    for command in pip_commands(root, requirements, "bert-ja-multigpu-helpers" in before):
-        subprocess.run(command, check=True)
+    if "torch" not in before:
+        return [f"no torch here: pip install torch=={versions['TESTED']}, then run this cell again"]
+    if release(before["torch"]) >= release(versions["NEEDED"]):
+        requirements = missing({name: wanted[name] for name in HOSTED}, before)
+        for command in pip_commands(root, requirements, "bert-ja-multigpu-helpers" in before):
+            subprocess.run(command, check=True)
     after = installed()
     if str(root / "src") not in sys.path:  # pip's editable install is read when a Python starts, not in this kernel
         sys.path.insert(0, str(root / "src"))
     import torch
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    stale = stale_modules(before, after, set(sys.modules), metadata.packages_distributions())
-    return report(torch.__version__, wanted["torch"], gpus, stale)
+    stale = stale_modules(before, after, loaded, metadata.packages_distributions())
+    return report(torch.__version__, versions, gpus, stale)
 
 
 if __name__ == "__main__":

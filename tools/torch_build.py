@@ -12,11 +12,15 @@ TORCH=pypi forces either way. Runs on the system's Python (standard library only
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import shutil
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +60,43 @@ def reachable(index: str) -> str | None:
         return str(getattr(error, "reason", error))
 
 
+def size_of(url: str) -> int | None:
+    """Bytes at ``url``: a local file's size, or the Content-Length a web server answers a HEAD request with."""
+    if url.startswith("file://"):
+        path = urllib.request.url2pathname(urllib.parse.urlparse(url).path)
+        return os.path.getsize(path) if os.path.exists(path) else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT_S) as answer:
+            return int(answer.headers["Content-Length"])
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def what_pip_installs(python: str, requirement: str, *options: str) -> str:
+    """What pip would install for ``requirement`` with ``options``, asked of pip (a dry run, dependencies included):
+    the torch wheel and where it comes from, how many packages come with it, how many of them are CUDA's libraries
+    (nvidia-*), and how much there is to download."""
+    done = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--report",
+                           "-", *options, requirement], capture_output=True, text=True)
+    try:
+        packages = json.loads(done.stdout)["install"]
+    except (ValueError, KeyError):
+        return f"pip could not say what it would install ({(done.stderr.strip().splitlines() or ['no answer'])[-1]})"
+    urls = [package["download_info"]["url"] for package in packages]
+    torch = next(url for package, url in zip(packages, urls) if package["metadata"]["name"].lower() == "torch")
+    local = torch.startswith("file://")
+    where = urllib.parse.urlparse(torch)
+    source = os.path.dirname(urllib.request.url2pathname(where.path)) if local else where.netloc
+    cuda = sum(package["metadata"]["name"].lower().startswith("nvidia-") for package in packages)
+    with ThreadPoolExecutor(8) as pool:
+        sizes = list(pool.map(size_of, urls))
+    known = sum(size for size in sizes if size is not None)
+    return (f"pip will install {urllib.parse.unquote(torch.rsplit('/', 1)[-1])} from {source}"
+            + (f" and {len(packages) - 1} more package(s), {cuda} of them CUDA's libraries (nvidia-*)" if cuda else
+               f" and {len(packages) - 1} more package(s), none of them CUDA's" if len(packages) > 1 else "")
+            + f"; {'at least ' if None in sizes else ''}{known / 1e9:.1f} GB to {'copy' if local else 'download'}")
+
+
 def pip(python: str, *args: str) -> None:
     subprocess.run([python, "-m", "pip", *args], check=True)
 
@@ -72,14 +113,15 @@ def install(python: str, request: str, index: str, wheelhouse: str | None) -> No
         return
     build, why = choose(request)
     if build == "pypi":
-        print(f"torch: {pin} from your package index, i.e. PyPI's build ({why}; TORCH=cpu forces the CPU build)")
+        print(f"torch: {pin} from your package index ({why}; TORCH=cpu forces the CPU build): "
+              f"{what_pip_installs(python, pin)}", flush=True)
         return  # requirements.txt installs it
     problem = reachable(index)
     if problem:
         if request == "cpu":
             raise SystemExit(f"torch: TORCH=cpu, but {index} cannot be reached ({problem}); see README, 'Installing'")
-        print(f"torch: {index} cannot be reached ({problem}), so {pin} comes from your package index "
-              f"(PyPI's Linux wheel is the CUDA build, several GB; see README, 'Installing')")
+        print(f"torch: {index} cannot be reached ({problem}), so {pin} comes from your package index: "
+              f"{what_pip_installs(python, pin)} (README, 'Installing')", flush=True)
         return
     print(f"torch: the CPU build of {pin} from {index} ({why}; TORCH=pypi forces PyPI's build)")
     pip(python, "install", "--quiet", "--no-deps", "--index-url", index, pin)

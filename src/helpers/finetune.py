@@ -5,6 +5,7 @@
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 -m helpers.finetune
                                                                      # the same command on each of 2 machines
     python -m helpers.finetune --checkpoint-dir ckpt --save-every 10 --resume   # continue after a kill
+    sbatch examples/slurm/finetune.sbatch                            # Slurm: 2 nodes, requeued when preempted
     torchrun --standalone --nproc_per_node=2 -m helpers.finetune --device cpu    # 2 processes on one GPU's machine
     python -m helpers.finetune --train-file F --validation-file G --test-file H --output-dir out  # your own data
     python -m helpers.finetune --grad-accum-steps 4 --amp bf16 --gradient-checkpointing  # the memory levers (09)
@@ -13,6 +14,8 @@
 Same model, data, two-learning-rate Adam and warmup/linear schedule as notebook 02, trained by the same
 helpers.train.fit. Rank 0 logs, evaluates and writes files. The last JSON line it prints is a short summary
 (read it with helpers.launch.last_json); --output-dir also gets metrics.json with every batch's loss.
+With --checkpoint-dir, SIGTERM or SIGUSR1 during training (a scheduler's notice) stops every process at the next
+step boundary with a checkpoint of that step, exit status 75 (helpers.preemption); --resume continues from it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import os
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -30,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import get_linear_schedule_with_warmup, set_seed
 
-from helpers import distributed, fsdp, levers, own_data
+from helpers import distributed, fsdp, levers, own_data, preemption
 from helpers.checkpoint import CheckpointError, Checkpoints, save_model, weights_digest
 from helpers.data import PadToLongest
 from helpers.equivalence import compare_with_one_process, print_comparison
@@ -277,13 +281,21 @@ def main(argv: list[str] | None = None) -> dict:
         print_comparison(result["equivalence"])
     model, optimizer, scheduler = build_training(args, len(data.labels), device, result["steps"])
     checkpoints = Checkpoints(args.checkpoint_dir, args.save_every, labels=data.labels) if args.checkpoint_dir else None
+    scaler = levers.gradient_scaler(args.amp, device)
+    stop = preemption.StopAtStepBoundary(checkpoints, model, optimizer, scheduler, train_loader, device, scaler) \
+        if checkpoints else None
     torch.manual_seed(args.seed + dist.get_rank())  # a different dropout mask on each rank
     try:  # a resumed run gets each rank's own random state back from the checkpoint
-        result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
-                                resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
-                                amp=levers.amp_dtype(args.amp), scaler=levers.gradient_scaler(args.amp, device))
+        with stop or nullcontext():  # while it trains, SIGTERM and SIGUSR1 stop every rank at the next step, saved
+            result["history"] = fit(model, train_loader, val_loader, optimizer, scheduler, args.epochs, checkpoints,
+                                    resume=args.resume, timed=True, accumulation=args.grad_accum_steps,
+                                    amp=levers.amp_dtype(args.amp), scaler=scaler, on_step=stop)
     except CheckpointError as error:  # raised on every rank alike (Checkpoints.resume)
         distributed.stop_everywhere(str(error), model)
+    except preemption.Preempted as stopped:  # every rank saved the same step
+        say(str(stopped))
+        distributed.leave_process_group(model)
+        sys.exit(preemption.EXIT_STATUS)
     if args.amp == "fp16":
         result["skipped_steps"] = sum(row["skipped_steps"] for row in result["history"])
     report(args, data, model, result, tokenizer)

@@ -7,12 +7,13 @@ state keys torch names privately), what holds a process group after it is destro
 else in ``src/`` touches a private name of torch or of CPython (tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
-in the package goes through this module, which names the torch it was written against (``TESTED``). On another
-torch it warns once, on import (FIELD-NOTES: torch 2.14.1 ran everything); where a surface is really gone, or an
-operator called with positional arguments has changed its signature, it raises ``TorchSurfaceMissing``, one line
-naming the torch the series needs. The cheap surfaces are checked on import; the trackers, whose modules import
-TorchDynamo (about 1.5 s), the CUDA-only functions and the process groups' holders when they are first used.
-CONTRIBUTING.md ("Upgrading torch") says what to re-read in PyTorch's source and which test pins which fact.
+in the package goes through this module, which names the torch it was written against (``TESTED``) and the releases
+every notebook ran on (``NEEDED`` to ``NEWEST``, `make torch-range`). On a torch outside them it warns once, on
+import; where a surface is really gone, or an operator called with positional arguments has changed its signature,
+it raises ``TorchSurfaceMissing``, one line naming the torch the series needs. The cheap surfaces are checked on
+import; the trackers, whose modules import TorchDynamo (about 1.5 s), the CUDA-only functions and the process
+groups' holders when they are first used. CONTRIBUTING.md ("Upgrading torch") says what to re-read in PyTorch's
+source and which test pins which fact.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import importlib.util
 import inspect
 import pickle
 import sys
@@ -29,12 +31,13 @@ from contextlib import contextmanager
 
 import torch
 
-TESTED = "2.13.0"  # the torch this module was written and tested against (requirements.txt pins it)
-NEEDED = "2.13"    # the oldest torch known to have every surface below (pyproject.toml says the same)
+TESTED = "2.13.0"  # the torch requirements.txt pins: the stored notebook outputs are made with it
+NEEDED = "2.10"    # the oldest torch every notebook runs on (make torch-range): pyproject.toml's floor, the Colab cell's
+NEWEST = "2.14"    # the newest torch every notebook ran on; from NEEDED to NEWEST, nothing is said on import
 
 
 class UntestedTorchWarning(UserWarning):
-    """This torch is not the one the predictor was tested with; its private surfaces may behave otherwise."""
+    """This torch is outside the range the series ran on; its private surfaces may behave otherwise."""
 
 
 class TorchSurfaceMissing(ImportError):
@@ -42,16 +45,24 @@ class TorchSurfaceMissing(ImportError):
 
 
 def missing(what: str) -> TorchSurfaceMissing:
-    return TorchSurfaceMissing(f"helpers needs torch {NEEDED} (tested with {TESTED}); torch {torch.__version__} "
-                               f"has no {what}")
+    return TorchSurfaceMissing(f"helpers needs torch {NEEDED} or newer (tested with {TESTED}); torch "
+                               f"{torch.__version__} has no {what}")
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version such as '2.10.0+cu128'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def untested(version: str) -> str | None:
-    """The warning for torch ``version``, or None where it is the tested one (local builds such as +cpu count)."""
-    if version.split("+")[0] == TESTED:
+    """The warning for torch ``version``, or None where the series ran on its release (local builds such as +cpu and
+    patch releases count)."""
+    if release(NEEDED) <= release(version) <= release(NEWEST):
         return None
-    return (f"helpers was tested with torch {TESTED}, this is torch {version}: parts of it rest on private PyTorch "
-            f"code that may have changed (CONTRIBUTING.md, 'Upgrading torch')")
+    where = "older than" if release(version) < release(NEEDED) else "newer than"
+    return (f"helpers runs on torch {NEEDED} to {NEWEST} (pinned {TESTED}); torch {version} is {where} any it ran on: "
+            f"parts of it rest on private PyTorch code that may differ (CONTRIBUTING.md, 'Upgrading torch')")
 
 
 def attribute(module: str, name: str):
@@ -295,7 +306,13 @@ def tracker_kinds() -> dict[str, tuple[str, ...]]:
 
 def fake_store():
     """A store for ``init_process_group("fake", ...)``: a process group whose collectives return at once
-    (torch/testing/_internal/distributed/fake_pg.py)."""
+    (torch/testing/_internal/distributed/fake_pg.py). Inside FakeTensorMode those collectives need fake kernels for
+    c10d's operators, which torch registers on import from torch/distributed/_meta_registrations.py; torch 2.10
+    has no such module (c10d._allgather_base_ then raises UnsupportedOperatorException), so there it is refused."""
+    if importlib.util.find_spec("torch.distributed._meta_registrations") is None:
+        raise TorchSurfaceMissing(f"torch {torch.__version__} cannot trace FSDP2 on fake tensors: it has no fake "
+                                  f"kernels for c10d's collectives (torch.distributed._meta_registrations, which "
+                                  f"torch {TESTED} has)")
     return attribute("torch.testing._internal.distributed.fake_pg", "FakeStore")()
 
 

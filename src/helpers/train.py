@@ -136,7 +136,7 @@ def evaluate(model: nn.Module, loader, loss_fn=None) -> dict[str, float]:
 
 def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, epochs: int = 3,
         checkpoints: Checkpoints | None = None, *, resume: bool = True, timed: bool = False, accumulation: int = 1,
-        amp: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None) -> list[dict]:
+        amp: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None, on_step=None) -> list[dict]:
     """Train for ``epochs``, evaluating after each; returns one row per epoch and prints it.
 
     ``train_loss`` is the mean of the epoch's step losses, which are kept in ``batch_losses`` for plots;
@@ -146,7 +146,8 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
     ``skipped_steps``; the checkpoints keep its state. With ``checkpoints`` the run is saved as it goes (every
     ``checkpoints.every`` steps and after each epoch), and a run started again continues from the latest
     checkpoint to exactly the weights it would have reached uninterrupted (``resume=False``: it starts afresh
-    and saves over the old checkpoints).
+    and saves over the old checkpoints). ``on_step(progress)``, if given, is called after every optimizer step
+    (and its checkpoint), on every process: a step boundary (helpers.preemption stops a run there).
 
     With other processes (DDP, FSDP2: call it on every one), ``train_loss`` is the mean over all of them and
     rank 0 evaluates and prints while the others wait; a sharded model is evaluated by every process, since its
@@ -167,7 +168,8 @@ def fit(model: nn.Module, train_loader, val_loader, optimizer, scheduler=None, e
         start = time.perf_counter()
         batch_losses = train_epoch(model, train_loader, optimizer, scheduler, progress=progress,
                                    checkpoints=checkpoints, resume_rng=resume_rng, accumulation=accumulation, amp=amp,
-                                   scaler=scaler)
+                                   scaler=scaler,
+                                   after_step=None if on_step is None else lambda *_: on_step(progress))
         resume_rng = None
         row = {"epoch": epoch, "train_loss": mean_over_processes(batch_losses, input_device(model))}
         row |= ({"seconds": time.perf_counter() - start} if timed else {}) | {"batch_losses": batch_losses}

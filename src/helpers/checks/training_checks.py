@@ -48,15 +48,18 @@ def summary_of(run_: subprocess.CompletedProcess) -> dict:
     return last_json(run_.stdout)
 
 
-def kill_and_resume(command: list[str], directory: Path, log: Path, timeout: float = TIMEOUT) -> dict:
-    """Start ``command`` saving checkpoints into ``directory``, SIGKILL it (launcher and workers, as when a
-    machine dies) once the first checkpoint is complete, resume it, then run it once more uninterrupted.
+def kill_and_resume(command: list[str], directory: Path, log: Path, timeout: float = TIMEOUT,
+                    stop: signal.Signals = signal.SIGKILL, uninterrupted: dict | None = None) -> dict:
+    """Start ``command`` saving checkpoints into ``directory``, send ``stop`` to it (launcher and workers) once the
+    first checkpoint is complete, resume it, then run it once more uninterrupted (``uninterrupted``: that run's
+    summary, when it is known already). SIGKILL is a machine that dies; SIGTERM a scheduler's notice, which
+    helpers.finetune answers by saving the next step on every process (helpers.preemption).
 
-    Returns where it stopped (the checkpoint's state), both summaries, and whether the resumed run ends with
+    Returns where it stopped (the latest checkpoint's state), both summaries, and whether the resumed run ends with
     bitwise the same weights on every rank as the uninterrupted one.
     """
     saving = ["--checkpoint-dir", str(directory), "--save-every", str(SAVE_EVERY)]
-    with open(log, "w") as output:  # its own process group, so that one SIGKILL reaches torchrun and its workers
+    with open(log, "w") as output:  # its own process group, so that one signal reaches torchrun and its workers
         launcher = subprocess.Popen([*command, *saving], env=os.environ | RUN_ENV, stdout=output, stderr=output,
                                     start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -67,14 +70,15 @@ def kill_and_resume(command: list[str], directory: Path, log: Path, timeout: flo
                 os.killpg(launcher.pid, signal.SIGKILL)
                 raise RunFailed(f"no checkpoint within {timeout} s: {log}")
             time.sleep(0.01)
-        os.killpg(launcher.pid, signal.SIGKILL)
-        if launcher.wait() != -signal.SIGKILL:
-            raise RunFailed(f"the run had finished before it could be killed: {log}")
+        os.killpg(launcher.pid, stop)
+        status = launcher.wait(timeout)
+        if status == 0 or (stop == signal.SIGKILL and status != -signal.SIGKILL):
+            raise RunFailed(f"the run had finished before it could be stopped (status {status}): {log}")
     state = read_state(Checkpoints(directory).latest() / STATE_FILE)
     resumed = summary_of(run([*command, *saving, "--resume"], timeout))
-    uninterrupted = summary_of(run(command, timeout))
-    return {"stopped_at": state["progress"], "processes_saved": len(state["per_process"]), "resumed": resumed,
-            "uninterrupted": uninterrupted,
+    uninterrupted = uninterrupted or summary_of(run(command, timeout))
+    return {"stopped_at": state["progress"], "processes_saved": len(state["per_process"]), "status": status,
+            "resumed": resumed, "uninterrupted": uninterrupted,
             "bitwise": resumed["weights_sha256"] == uninterrupted["weights_sha256"]
                        and len(set(resumed["weights_sha256"])) == 1}
 
