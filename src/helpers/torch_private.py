@@ -3,8 +3,9 @@ trackers, the fused attention operators), notebook 09's collective counter (``se
 memory snapshot of notebook 05's appendix (``recording_memory_history``), the checkpoints' (the private names in
 DCP's pickled metadata, CPython's pure-Python unpickler that reads it, an optimizer's step without its hooks, the
 state keys torch names privately), what holds a process group after it is destroyed (``release_ddp``,
-``release_meshes``: helpers.distributed) and torch.compile's wrapper (``compiled_inner``: helpers.wrapping). Nothing
-else in ``src/`` touches a private name of torch or of CPython (tests/test_layout.py).
+``release_meshes``: helpers.distributed) and torch.compile's wrapper (``compiled_inner``: helpers.wrapping), and whether a transformers model implements sdpa
+(``supports_sdpa``). Nothing else in ``src/`` touches a private name of torch, transformers or CPython
+(tests/test_layout.py).
 
 None of these is public API: a torch release may move, rename or change any of them without notice. So each use
 in the package goes through this module, which names the torch it was written against (``TESTED``) and the releases
@@ -122,6 +123,10 @@ def dcp_private_globals() -> dict[tuple[str, str], object]:
 def dcp_chunk_place() -> type:
     """DCP's class for where one chunk's bytes lie: ``relative_path`` (a data file), ``offset``, ``length``."""
     return dcp_private_globals()[DCP_PRIVATE_GLOBALS[0]]
+
+
+PATH_MODULES = ("pathlib", "pathlib._local")
+"""The modules a pickled path names: ``pathlib``, and from Python 3.13 on CPython's private ``pathlib._local``."""
 
 
 def _pure_python_unpickler() -> type:
@@ -478,3 +483,11 @@ def compiled_inner(model):
     if inner is None:
         raise missing("OptimizedModule._orig_mod (the model inside torch.compile's wrapper)")
     return inner
+
+
+# --- transformers' private attributes (helpers.memory.tracer) -------------------------------------------------------
+
+def supports_sdpa(model_class) -> bool:
+    """Whether transformers' ``model_class`` implements torch's scaled-dot-product attention: its private class
+    attribute ``_supports_sdpa`` (transformers' own default is False)."""
+    return bool(getattr(model_class, "_supports_sdpa", False))

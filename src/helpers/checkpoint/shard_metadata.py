@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from helpers.checkpoint.files import CheckpointError, read_capped, reason, status_of
 from helpers.checkpoint.validation import problems_in, require, shown
-from helpers.torch_private import HookedUnpickler, dcp_chunk_place, dcp_private_globals
+from helpers.torch_private import PATH_MODULES, HookedUnpickler, dcp_chunk_place, dcp_private_globals
 
 METADATA_FILE = ".metadata"
 METADATA_BYTES = 256 * 2**20
@@ -86,7 +86,7 @@ class MetadataUnpickler(HookedUnpickler):
         self.instances: dict[int, object] = {}  # id -> an instance of a buildable class this pickle made (kept alive)
 
     def find_class(self, module: str, name: str):
-        if module in ("pathlib", "pathlib._local") and name in PATHS:  # pathlib._local: pickled by Python 3.13+
+        if module in PATH_MODULES and name in PATHS:
             return PATHS[name]
         if (module, name) in self.allowed or (module == "torch" and name in DTYPES):
             return super().find_class(module, name)

@@ -29,7 +29,7 @@ from torch import nn
 from helpers.memory.gpu_facts import GPUS, GpuModel
 from helpers.memory.kernels import CudaLikeKernels
 from helpers.memory.simulated_gpu import SimulatedGpu
-from helpers.torch_private import FakeTensorMode
+from helpers.torch_private import FakeTensorMode, supports_sdpa
 from helpers.memory.tracker import tracking
 from helpers.net import Net
 from helpers.step import train_step
@@ -363,7 +363,7 @@ def default_attention(config) -> str:
     if config.model_type == "bert":
         return "sdpa"
     model = classifier_class(config)
-    return "sdpa" if model is not None and model._supports_sdpa else "eager"
+    return "sdpa" if model is not None and supports_sdpa(model) else "eager"
 
 
 @contextlib.contextmanager
