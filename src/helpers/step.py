@@ -38,8 +38,7 @@ def train_step(model: nn.Module, batches: list[dict], optimizer=None, *, loss_fn
     examples, mean = sum(len(batch["labels"]) for batch in batches), 0.0
     for index, batch in enumerate(batches):  # DDP and FSDP2 communicate in the last backward only
         with nullcontext() if index == len(batches) - 1 else no_gradient_sync(model):
-            autocast = nullcontext() if amp is None else torch.autocast(batch["labels"].device.type, dtype=amp)
-            with phase("forward"), autocast:  # no autocast at all without amp: meta tensors have none
+            with phase("forward"), torch.autocast(batch["labels"].device.type, dtype=amp) if amp else nullcontext():
                 loss = loss_fn(model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")),
                                batch["labels"]) * (len(batch["labels"]) / examples)  # the mean of all, as one batch
             with phase("scale"):
