@@ -136,18 +136,22 @@ def test_a_run_killed_without_a_traceback_shows_the_end_of_its_output():
 
 
 def code_cells():
-    """(notebook, cell index, code without comments) of every code cell, IPython's ``!`` lines turned into calls."""
+    """(notebook, cell index, code without comments and prose) of every code cell, IPython's ``!`` lines turned into
+    calls. Comments and strings with a space in them (docstrings, printed text) may name torchrun; a command's words
+    (``"torchrun"``, ``"--nproc_per_node=2"``) have none, so they stay and count."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     for notebook in NOTEBOOKS:
         for index, cell in enumerate(json.loads(notebook.read_text(encoding="utf-8"))["cells"]):
             if cell["cell_type"] == "code":
-                lines = TransformerManager().transform_cell("".join(cell["source"])).splitlines(keepends=True)
-                for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
-                    if token.type == tokenize.COMMENT:  # comments may name torchrun; only code counts
-                        (row, start), (_, end) = token.start, token.end
-                        lines[row - 1] = lines[row - 1][:start] + " " * (end - start) + lines[row - 1][end:]
-                yield notebook, index, "".join(lines)
+                code = TransformerManager().transform_cell("".join(cell["source"]))
+                starts = [0, *(i + 1 for i, char in enumerate(code) if char == "\n")]  # offset of each line
+                chars = list(code)
+                for token in tokenize.generate_tokens(io.StringIO(code).readline):
+                    if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and " " in token.string):
+                        first, last = (starts[row - 1] + column for row, column in (token.start, token.end))
+                        chars[first:last] = [char if char == "\n" else " " for char in chars[first:last]]
+                yield notebook, index, "".join(chars)
 
 
 # a launcher spelled out (in code or a shell line), not the Launch method of that name
