@@ -6,16 +6,19 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import tokenize
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from helpers.checks.notebook_env import lessons_then_solutions
-from helpers.launch import LaunchFailed, plan_launch, why_it_failed
+from helpers.launch import LaunchFailed, kill_launch, plan_launch, still_running, why_it_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = lessons_then_solutions(ROOT / "notebooks")
@@ -133,18 +136,22 @@ def test_a_run_killed_without_a_traceback_shows_the_end_of_its_output():
 
 
 def code_cells():
-    """(notebook, cell index, code without comments) of every code cell, IPython's ``!`` lines turned into calls."""
+    """(notebook, cell index, code without comments and prose) of every code cell, IPython's ``!`` lines turned into
+    calls. Comments and strings with a space in them (docstrings, printed text) may name torchrun; a command's words
+    (``"torchrun"``, ``"--nproc_per_node=2"``) have none, so they stay and count."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     for notebook in NOTEBOOKS:
         for index, cell in enumerate(json.loads(notebook.read_text(encoding="utf-8"))["cells"]):
             if cell["cell_type"] == "code":
-                lines = TransformerManager().transform_cell("".join(cell["source"])).splitlines(keepends=True)
-                for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
-                    if token.type == tokenize.COMMENT:  # comments may name torchrun; only code counts
-                        (row, start), (_, end) = token.start, token.end
-                        lines[row - 1] = lines[row - 1][:start] + " " * (end - start) + lines[row - 1][end:]
-                yield notebook, index, "".join(lines)
+                code = TransformerManager().transform_cell("".join(cell["source"]))
+                starts = [0, *(i + 1 for i, char in enumerate(code) if char == "\n")]  # offset of each line
+                chars = list(code)
+                for token in tokenize.generate_tokens(io.StringIO(code).readline):
+                    if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and " " in token.string):
+                        first, last = (starts[row - 1] + column for row, column in (token.start, token.end))
+                        chars[first:last] = [char if char == "\n" else " " for char in chars[first:last]]
+                yield notebook, index, "".join(chars)
 
 
 # a launcher spelled out (in code or a shell line), not the Launch method of that name
@@ -177,3 +184,41 @@ def test_no_notebook_captures_a_shell_commands_output():
     captured = [f"{notebook.relative_to(ROOT)} cell {index}" for notebook, index, code in code_cells()
                 if "getoutput" in code]
     assert captured == []
+
+
+SLEEPER = """\
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))  # then train on, as it were
+time.sleep(600)
+"""
+
+
+def start_sleepers(folder: Path):
+    """torchrun with two workers that write their pids into ``folder`` and sleep: (torchrun's Popen, the workers)."""
+    folder.mkdir()
+    script = folder / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = plan_launch(2, gpus=0).start(str(folder), log=folder / "log", script=script)
+    deadline = time.monotonic() + 60
+    while len(pids := sorted(folder.glob("[0-9]"))) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, (folder / "log").read_text()
+        time.sleep(0.05)
+    return launcher, [psutil.Process(int(pid.read_text())) for pid in pids]
+
+
+def test_kill_launch_kills_the_workers_too(tmp_path):
+    """torchrun's workers run in sessions of their own: killing torchrun alone leaves them running (they would
+    train on), kill_launch leaves none. About 6 s: two torchrun starts of workers that only sleep."""
+    alone, workers = start_sleepers(tmp_path / "alone")
+    try:
+        alone.kill()
+        alone.wait(30)
+        assert len(still_running(workers)) == 2  # why kill_launch exists
+    finally:
+        for worker in still_running(workers):
+            worker.kill()
+    launcher, workers = start_sleepers(tmp_path / "all")
+    killed = kill_launch(launcher)
+    assert launcher.returncode == -signal.SIGKILL
+    assert {worker.pid for worker in workers} <= {process.pid for process in killed}
+    assert still_running(killed) == [] and still_running(workers) == []

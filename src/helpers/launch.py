@@ -5,19 +5,24 @@ unchanged on a laptop, on a one-GPU machine and on a GPU server, and prints what
 NCCL cannot put two processes on one GPU, and a process without a GPU of its own is refused before it joins
 the group (helpers.distributed.device_problem); on one GPU, two processes therefore go to the CPU.
 A run that fails raises with the lines that say why, so a notebook cell never ends blank or half-filtered;
-``last_json`` reads the summary a run prints last.
+``last_json`` reads the summary a run prints last. ``Launch.start`` starts a run without waiting, and
+``kill_launch`` kills it as a crash would: torchrun and every worker, which torchrun puts out of its reach.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 REPOSITORY = Path(__file__).resolve().parents[2]  # examples/ lives here when helpers is installed from a clone
 THREADS = {"OMP_NUM_THREADS": "1"}  # what torchrun would set anyway, with a warning, when the variable is unset
@@ -100,6 +105,14 @@ class Launch:
             raise LaunchFailed(done.returncode, done.stdout)
         return done.stdout
 
+    def start(self, *args: str, log: str | Path, module: str = "helpers.finetune",
+              script: str | Path | None = None) -> subprocess.Popen:
+        """Start the processes and return at once, torchrun's ``Popen``; what they print goes to the file ``log``.
+        Stop them with ``kill_launch``: ``Popen.kill`` alone kills torchrun and leaves its workers running."""
+        with open(log, "w") as out:  # the started processes keep their own handle on it
+            return subprocess.Popen(self.torchrun(*args, module=module, script=script), env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
 
 def plan_launch(processes: int = 2, gpus: int | None = None) -> Launch:
     """``processes`` processes, each on a GPU of its own if this machine has that many (``gpus`` overrides the
@@ -111,6 +124,44 @@ def plan_launch(processes: int = 2, gpus: int | None = None) -> Launch:
 
         gpus = torch.cuda.device_count()
     return Launch(processes, "cuda" if gpus >= processes else "cpu", gpus)
+
+
+def kill_launch(launcher: subprocess.Popen, timeout: float = 30) -> list[psutil.Process]:
+    """Kill torchrun and every process it started, as a crash would (SIGKILL; TerminateProcess on Windows).
+
+    torchrun starts each worker in a session of its own, out of its process group, so neither ``launcher.kill()``
+    nor a signal to its group reaches them: the workers would train on. Each process is suspended before its
+    children are listed, so none starts another unseen; then all are killed. Returns the killed processes once
+    none of them runs (``still_running``); a torchrun that had already ended left nothing to find.
+    """
+    suspended, found = [], [psutil.Process(launcher.pid)] if launcher.poll() is None else []
+    while found:
+        process = found.pop()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may have ended on its own meanwhile
+            process.suspend()
+            suspended.append(process)
+            found += process.children()
+    for process in suspended:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    launcher.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while still_running(suspended):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kill_launch: still running {timeout} s after SIGKILL: {still_running(suspended)}")
+        time.sleep(0.01)
+    return suspended
+
+
+def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` that still run: neither gone nor a zombie (ended, its exit status not yet read)."""
+    def runs(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [process for process in processes if runs(process)]
 
 
 def last_json(text: str) -> dict:
