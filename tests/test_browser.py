@@ -276,8 +276,8 @@ def test_a_docs_page_switches_between_cpu_and_gpu_outputs_without_script(browser
     context.route(re.compile(r"^https?://"), lambda route: (requested.append(route.request.url), route.abort()))
     try:
         page = context.new_page()
-        page.goto((site / "notebooks/07_checkpoints_and_prediction.html").as_uri())
-        cell = page.locator("div.cell").filter(has=page.locator(".cell_input", has_text="uninterrupted = run_finetune")).first
+        page.goto((site / "notebooks/solutions/07_solutions.html").as_uri())  # exercise 3: unchanged since the H200 run
+        cell = page.locator("div.cell").filter(has=page.locator(".cell_input", has_text='"--train-file"')).first
         cpu, gpu = cell.locator(".gpu-tab-panel").nth(0), cell.locator(".gpu-tab-panel").nth(1)
         cell.scroll_into_view_if_needed()
         assert cpu.is_visible() and not gpu.is_visible()

@@ -289,13 +289,16 @@ def test_cells_are_paired_by_source_even_when_moved_repeated_or_edited(docs_buil
     assert pair(["a", "new", "c"], ["a", "c"]) == {0: (0, True), 2: (1, True)}
 
 
+OWN_DATA_RUN = '"--train-file", str(files / "train.csv")'  # solutions 07, exercise 3: unchanged since the H200 run
+
+
 def test_the_site_shows_the_committed_h200_run_for_unchanged_cells(site):
-    """Drift: the committed H200 folder against today's notebooks. 07's first training run is unchanged since that
-    run and printed NCCL and CUDA there; 05's table of predictions is unchanged too, but its H200 output was made
-    by an older memory model and was removed from the folder, so it shows none."""
-    resume = BeautifulSoup((site / "notebooks/07_checkpoints_and_prediction.html").read_text(encoding="utf-8"),
-                           "html.parser")
-    training = [tabs_of(cell) for cell in resume.select("div.cell") if "uninterrupted = run_finetune" in cell.get_text()]
+    """Drift: the committed H200 folder against today's notebooks. Solutions 07's own-data training (exercise 3) is
+    unchanged since that run and printed NCCL and CUDA there; 05's table of predictions is unchanged too, but its
+    H200 output was made by an older memory model and was removed from the folder, so it shows none."""
+    solutions_07 = BeautifulSoup((site / "notebooks/solutions/07_solutions.html").read_text(encoding="utf-8"),
+                                 "html.parser")
+    training = [tabs_of(cell) for cell in solutions_07.select("div.cell") if OWN_DATA_RUN in cell.get_text()]
     assert "backend nccl, device cuda" in training[0][GPU_TAB].get_text()
     assert "backend gloo, device cpu" in training[0][CPU_TAB].get_text()
     memory = BeautifulSoup((site / "notebooks/05_gpu_memory.html").read_text(encoding="utf-8"), "html.parser")
