@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STUBS = {
     "srun": """echo "$$" > "$STUB_LOG/srun.pid"
 printf '%s\\n' "$@" > "$STUB_LOG/srun.args"
-if [ -n "${STUB_SRUN_WAITS:-}" ]; then trap 'exit 75' TERM; while :; do sleep 0.05; done; fi
+if [ -n "${STUB_SRUN_WAITS:-}" ]; then trap 'kill "$sleeper"; exit 75' TERM; sleep 600 & sleeper=$!; wait; fi
 """,
     "scontrol": """if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' $STUB_HOSTS; else echo "scontrol $*" >> "$STUB_LOG/calls"; fi
 """,

@@ -33,9 +33,9 @@ command=(srun --ntasks-per-node=1 --kill-on-bad-exit=1
          -m helpers.finetune --checkpoint-dir "$checkpoint_dir" "${resume[@]}" "$@")
 echo "$(date '+%F %T') job $SLURM_JOB_ID, run $((${SLURM_RESTART_COUNT:-0} + 1)), on $SLURM_JOB_NODELIST: ${command[*]}"
 
-stop=
+stop= woke=
 on_signal() {
-  stop=$1
+  stop=$1 woke=1
   echo "$(date '+%F %T') $1: every process saves its next step into $checkpoint_dir and stops"
   if [ "$1" = USR1 ]; then scancel --signal=TERM "$SLURM_JOB_ID"; fi  # on TERM, Slurm signals them itself
 }
@@ -43,10 +43,15 @@ trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
 "${command[@]}" &
 step=$!
-while true; do
-  status=0
-  wait "$step" || status=$?
-  if ! kill -0 "$step" 2>/dev/null; then break; fi  # ended; wait also returns when a signal is trapped
+# wait returns early, with 128 + the signal's number, when a trapped signal arrives; the step's own status is read
+# by the next wait, whether it still runs or has ended meanwhile (127: ended as a signal came, its status read).
+status= last=
+while [ -z "$status" ]; do
+  woke=
+  wait "$step" && code=0 || code=$?
+  if [ "$code" -eq 127 ] && [ -n "$last" ]; then code=$last; fi
+  if [ -z "$woke" ]; then status=$code; fi
+  last=$code
 done
 if [ "$stop" = USR1 ] && [ "$status" -ne 0 ]; then
   echo "$(date '+%F %T') requeued: the next run continues from $checkpoint_dir with --resume"
