@@ -309,13 +309,8 @@ class _DeviceWatch:
             self.device.reset_peaks()
             gc.collect()  # garbage freed in mid-step would free blocks at an arbitrary point
         self.device.watch()
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with _no_automatic_collection():
             yield
-        finally:
-            if enabled:
-                gc.enable()
         self.peak = self.device.keep_peak("optimizer_peak" if "backward_peak" in self.device.readings
                                           else "backward_peak")
 
@@ -409,18 +404,27 @@ def trace_fake_steps(config, batch_sizes: tuple[int, ...], seq_len: int, *, atte
 
 
 @contextlib.contextmanager
-def _collector_paused():
-    """No automatic collection inside; objects made before are frozen (left out of collections) unless something
-    froze objects already."""
-    freeze = gc.get_freeze_count() == 0
+def _no_automatic_collection():
+    """The garbage collector switched off inside, and back on after if it was on."""
     enabled = gc.isenabled()
-    if freeze:
-        gc.freeze()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic collection inside; objects made before are frozen (left out of collections) unless something
+    froze objects already."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        with _no_automatic_collection():
+            yield
+    finally:
         if freeze:
             gc.unfreeze()
