@@ -10,12 +10,9 @@ The run ends with one line saying what it compared, and where.
 
 import os
 
-import pytest
-
 from helpers.checks.notebook_env import GPUS_HIDDEN, NOTEBOOK_ENV, compared_line, nvml_gpu_count
 
 os.environ.update(NOTEBOOK_ENV | GPUS_HIDDEN)
-NOTEBOOKS = pytest.StashKey[set]()
 
 
 def pytest_configure(config):
@@ -25,12 +22,11 @@ def pytest_configure(config):
             option.nbval_current_env = True
 
 
-def pytest_collection_finish(session):
-    session.config.stash[NOTEBOOKS] = {item.path for item in session.items if item.path.suffix == ".ipynb"}
-
-
 def pytest_terminal_summary(terminalreporter, config):
-    notebooks, gpus = config.stash.get(NOTEBOOKS, set()), nvml_gpu_count()
+    """Counted from the reports, which reach this process also when workers (pytest-xdist) ran the notebooks."""
+    paths = {getattr(report, "nodeid", "").partition("::")[0]
+             for reports in terminalreporter.stats.values() for report in reports}
+    notebooks, gpus = {path for path in paths if path.endswith(".ipynb")}, nvml_gpu_count()
     if notebooks or gpus:
         mode = "strict" if getattr(config.option, "nbval", False) else "lax"
         terminalreporter.write_line(compared_line(len(notebooks), mode, gpus))
