@@ -25,10 +25,10 @@ def learning_rates_for(config) -> tuple[float, float]:
     """``(body_lr, head_lr)`` for fine-tuning a BERT with this ``config``: the memo's rates from BERT-base's width up.
 
     The memo's 5e-5 / 1e-4 are for BERT-base (hidden size 768), pre-trained on a large corpus. Adam's step is
-    set by the learning rate, not by the gradient's size: exactly the rate at the first step, then against the
-    sign of the gradient's moving average, and at times larger (at the default betas about 3x after a long run
-    of zero gradients, 7.3x at most). An output sums ``hidden_size`` such moves, so a narrower model's outputs
-    move less at the same rate: narrower models (the bundled tiny one: 128) get ten times both, a rule of
+    set by the learning rate, not by the gradient's size: about the rate at the first step (for a gradient well
+    above eps), then against the sign of the gradient's moving average, and at times larger (at the default betas
+    about 3x after a long run of zero gradients, 7.3x at most). An output sums ``hidden_size`` such moves, so a
+    narrower model's outputs move less at the same rate: narrower models (the bundled tiny one: 128) get ten times both, a rule of
     thumb that notebook 02's exercise 1 checks, not a derivation. The head always learns twice as fast.
     """
     if config.hidden_size >= 768:
