@@ -46,16 +46,9 @@ venv: venv-check $(STAMP)
 venv-check:
 	@$(TORCH_BUILD) check $(BIN)/python
 
-# make test runs the full suite in WORKERS processes (pytest-xdist; default 2, the cores CI has). Each takes a whole
-# test module or notebook at a time (--dist loadscope: a notebook's cells share one kernel, in order), so one core
-# runs a notebook while the other runs tests, and a test waiting on its subprocesses leaves its core to the other.
-# WORKERS=0: one process, as pytest alone runs. NB= runs use one process unless WORKERS is given.
-WORKERS ?= $(if $(NB),0,2)
-XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
-
 # Ends with one line saying what it compared, and that it ran with the GPUs hidden where there are any (conftest.py).
 test: venv-check $(if $(NB),$(STAMP),$(DEV_STAMP))
-	$(CPU_NB_ENV) $(BIN)/python -m pytest $(XDIST) $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
+	$(CPU_NB_ENV) $(BIN)/python -m pytest $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
 
 unit: venv-check $(DEV_STAMP)
 	$(CPU_NB_ENV) $(BIN)/python -m pytest tests

@@ -33,7 +33,7 @@ EXPORTS = {
     "configs": ("MODELS", "bert_base_config"),
     "cuda_step": ("CudaPeak", "gpu_sdpa_kernel", "measure_cuda_step", "this_gpu"),
     "formulas": ("activation_formula", "layer_activation_bytes", "parameter_bytes", "parameters"),
-    "fsdp2": ("FSDP2_CATEGORIES", "fsdp_categories", "predict_fsdp", "trace_fsdp"),
+    "fsdp2": ("FSDP2_CATEGORIES", "fake_process_group", "fsdp_categories", "predict_fsdp", "trace_fsdp"),
     "fsdp2_table": ("load_table",),
     "gpu_facts": ("GIB", "GPUS", "PRECISIONS", "GpuModel", "amp_precision", "attention_kernel", "mixed_precision",
                   "sdpa_kernel", "workspaces"),
