@@ -2,16 +2,14 @@
 process, sharded checkpoints that load under another number of processes and into a plain Net, a run killed
 (SIGKILL, under torchrun) and resumed to bitwise the same weights, and bad input refused with a clear message.
 
-Three torchrun runs are shared by the tests: one killed after its first checkpoint, its resumption, and an
-uninterrupted run (with the equivalence check and the plain weights written by ``--output-dir``).
+Three torchrun runs are shared by the tests: an uninterrupted run (with the equivalence check and the plain weights
+written by ``--output-dir``), one killed after its first checkpoint (``kill_and_resume``) and its resumption.
 """
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,16 +17,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from helpers import distributed, fsdp
-from helpers.checkpoint import (STATE_FILE, CheckpointError, Checkpoints, full_weights, load_checkpoint, read_state,
-                                state_dicts_equal)
+from helpers.checkpoint import CheckpointError, Checkpoints, full_weights, load_checkpoint, state_dicts_equal
 from helpers.checkpoint import SHARDED_DIR
+from helpers.checks.training_checks import kill_and_resume
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
 from helpers.finetune import main, parse_args
 from helpers.launch import last_json
 from helpers.net import Net
 from helpers.optim import ParamGroupError, audit_param_groups, two_lr_adam
 
-EPOCHS, BATCHES_PER_EPOCH, SAVE_EVERY = 2, 6, 4
+EPOCHS, BATCHES_PER_EPOCH = 2, 6
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
                     "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 ARGS = ["--strategy", "fsdp", "--train-examples", str(8 * BATCHES_PER_EPOCH), "--val-examples", "16",
@@ -45,26 +43,15 @@ def torchrun(*args) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The killed, resumed and uninterrupted runs, and their folders."""
+    """The uninterrupted run (with the equivalence check), then one killed after its first checkpoint (torchrun and
+    both workers, as when a machine dies) and its resumption, and their folders."""
     root = tmp_path_factory.mktemp("fsdp")
-    killed = root / "killed"
-    saving = ["--checkpoint-dir", str(killed), "--save-every", str(SAVE_EVERY)]
-    with open(root / "killed.log", "w") as log:
-        # its own process group, so that one SIGKILL reaches torchrun and both workers, as when a machine dies
-        launcher = subprocess.Popen([*TORCHRUN, *saving], env=ENV, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while not (killed / "latest").exists():
-            assert launcher.poll() is None, (root / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 600 s"
-            time.sleep(0.01)
-        os.killpg(launcher.pid, signal.SIGKILL)
-        assert launcher.wait() == -signal.SIGKILL
-    stopped_at = read_state(Checkpoints(killed).latest() / STATE_FILE)["progress"]
-    resumed = torchrun(*saving, "--resume", "--output-dir", str(root / "out-resumed"))
-    whole = root / "uninterrupted"
-    uninterrupted = torchrun("--check-equivalence", "--checkpoint-dir", str(whole), "--output-dir", str(root / "out"))
-    return {"stopped_at": stopped_at, "resumed": resumed, "uninterrupted": uninterrupted, "root": root,
-            "metrics": [json.loads((root / out / "metrics.json").read_text()) for out in ("out-resumed", "out")]}
+    uninterrupted = torchrun("--check-equivalence", "--checkpoint-dir", str(root / "uninterrupted"),
+                             "--output-dir", str(root / "out"))
+    result = kill_and_resume([*TORCHRUN, "--output-dir", str(root / "out-resumed")], root / "killed",
+                             root / "killed.log", uninterrupted=uninterrupted)
+    return result | {"root": root,
+                     "metrics": [json.loads((root / out / "metrics.json").read_text()) for out in ("out-resumed", "out")]}
 
 
 def test_sharded_gradients_and_sgd_step_equal_one_process(runs):
@@ -81,6 +68,7 @@ def test_sharded_gradients_and_sgd_step_equal_one_process(runs):
 
 def test_killed_under_torchrun_and_resumed_ends_bitwise_like_an_uninterrupted_run(runs):
     assert 0 < runs["stopped_at"]["batch"] < BATCHES_PER_EPOCH, runs["stopped_at"]  # killed mid-epoch
+    assert runs["resumed_from"] == runs["stopped_at"]["step"] and runs["processes_saved"] == 2
     resumed, uninterrupted = runs["resumed"], runs["uninterrupted"]
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     assert len(set(resumed["weights_sha256"])) == 1

@@ -128,6 +128,7 @@ def test_two_fsdp2_processes_with_every_lever_and_the_unused_pooler_killed_mid_e
     result = kill_and_resume(finetune_command(2, *RUN, "--strategy", "fsdp", "--keep-pooler", "--device", "cpu"),
                              tmp_path / "checkpoints", tmp_path / "killed.log")
     check_resumed(result, processes=2)
+    assert result["resumed_from"] == result["stopped_at"]["step"]  # and trained every step after it
     assert result["uninterrupted"]["strategy"] == "fsdp"
 
 

@@ -69,6 +69,7 @@ def test_torchrun_stopped_by_sigterm_saves_on_every_rank_and_resumes_bitwise(tmp
     stopped_at = result["stopped_at"]
     assert f"stopped by SIGTERM after step {stopped_at['step']}" in log  # rank 0's line, once
     assert log.count("stopped by SIGTERM") == 1 and SAVE_EVERY <= stopped_at["step"]
+    assert result["resumed_from"] == stopped_at["step"] and result["processes_stopped"] == 3
     assert result["processes_saved"] == 2 and result["status"] == 1  # torchrun exits 1 when a worker does not exit 0
     assert result["bitwise"], (result["resumed"]["weights_sha256"], result["uninterrupted"]["weights_sha256"])
     assert losses(result["resumed"]) == losses(result["uninterrupted"])

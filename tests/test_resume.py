@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import torch
 from transformers import get_linear_schedule_with_warmup, set_seed
 
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state, state_dicts_equal
@@ -39,7 +40,7 @@ def run(directory=None):
 
 def start_and_kill_after_first_checkpoint(directory, log):
     """Start the run in a child process and SIGKILL it as soon as its first checkpoint is complete."""
-    env = os.environ | {"TQDM_DISABLE": "1"}
+    env = os.environ | {"TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}  # sums alike
     child = subprocess.Popen([sys.executable, __file__, str(directory)], stdout=log, stderr=log, env=env)
     deadline = time.monotonic() + 300
     while not (directory / "latest").exists():
@@ -79,6 +80,7 @@ def test_torchrun_killed_mid_epoch_and_resumed_ends_bitwise_like_an_uninterrupte
     assert len(set(resumed["weights_sha256"])) == 1  # and the two ranks agree
     for mine, theirs in zip(resumed["history"], uninterrupted["history"], strict=True):
         assert (mine["train_loss"], mine["val_loss"]) == (theirs["train_loss"], theirs["val_loss"])
-    assert resume_line(result) == (True, f"killed at step {SAVE_EVERY} (batch {SAVE_EVERY} of 8), "
-                                                       f"resumed weights bitwise equal to an uninterrupted run on "
-                                                       f"every rank: True")
+    assert result["resumed_from"] == SAVE_EVERY  # the resumed run trained every step after the kill
+    assert resume_line(result) == (True, f"killed at step {SAVE_EVERY} (batch {SAVE_EVERY} of 8; 3 processes, none "
+                                         f"left), resumed from step {SAVE_EVERY}, weights bitwise equal to an "
+                                         f"uninterrupted run on every rank: True")

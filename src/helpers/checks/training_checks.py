@@ -5,16 +5,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from helpers.checkpoint import STATE_FILE, Checkpoints, read_state
 from helpers.equivalence import EQUIVALENCE_TOLERANCE
-from helpers.launch import last_json
+from helpers.launch import kill_launch, last_json, still_running
 
 RUN_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 TIMEOUT = 300
@@ -52,35 +56,57 @@ def kill_and_resume(command: list[str], directory: Path, log: Path, timeout: flo
                     stop: signal.Signals = signal.SIGKILL, uninterrupted: dict | None = None) -> dict:
     """Start ``command`` saving checkpoints into ``directory``, send ``stop`` to it (launcher and workers) once the
     first checkpoint is complete, resume it, then run it once more uninterrupted (``uninterrupted``: that run's
-    summary, when it is known already). SIGKILL is a machine that dies; SIGTERM a scheduler's notice, which
-    helpers.finetune answers by saving the next step on every process (helpers.preemption).
+    summary, when it is known already). SIGKILL is a machine that dies (``kill_launch``: torchrun starts its workers
+    in sessions of their own, out of reach of a signal to its group); SIGTERM a scheduler's notice, sent as Slurm
+    sends it, to every process of the run, which helpers.finetune answers by saving the next step on every process
+    (helpers.preemption).
 
-    Returns where it stopped (the latest checkpoint's state), both summaries, and whether the resumed run ends with
-    bitwise the same weights on every rank as the uninterrupted one.
+    Returns where it stopped (the latest checkpoint's state, read once no process of the run is left), the step
+    the resumed run says it started from, both summaries, and whether the resumed run ends with bitwise the same
+    weights on every rank as the uninterrupted one.
     """
     saving = ["--checkpoint-dir", str(directory), "--save-every", str(SAVE_EVERY)]
-    with open(log, "w") as output:  # its own process group, so that one signal reaches torchrun and its workers
-        launcher = subprocess.Popen([*command, *saving], env=os.environ | RUN_ENV, stdout=output, stderr=output,
-                                    start_new_session=True)
+    with open(log, "w") as output:
+        launcher = subprocess.Popen([*command, *saving], env=os.environ | RUN_ENV, stdout=output, stderr=output)
         deadline = time.monotonic() + timeout
         while not (directory / "latest").exists():
             if launcher.poll() is not None:
                 raise RunFailed(f"the run ended (status {launcher.returncode}) before its first checkpoint: {log}")
             if time.monotonic() > deadline:
-                os.killpg(launcher.pid, signal.SIGKILL)
+                kill_launch(launcher)
                 raise RunFailed(f"no checkpoint within {timeout} s: {log}")
             time.sleep(0.01)
-        os.killpg(launcher.pid, stop)
-        status = launcher.wait(timeout)
+        processes = stop_launch(launcher, stop, timeout)
+        status = launcher.returncode
         if status == 0 or (stop == signal.SIGKILL and status != -signal.SIGKILL):
             raise RunFailed(f"the run had finished before it could be stopped (status {status}): {log}")
+        if left := still_running(processes):
+            raise RunFailed(f"{len(left)} process(es) of the stopped run still running: {log}")
     state = read_state(Checkpoints(directory).latest() / STATE_FILE)
-    resumed = summary_of(run([*command, *saving, "--resume"], timeout))
+    resumed_run = run([*command, *saving, "--resume"], timeout)
+    resumed = summary_of(resumed_run)
+    started = re.search(r"^resumed at step (\d+):", resumed_run.stdout, re.MULTILINE)
     uninterrupted = uninterrupted or summary_of(run(command, timeout))
     return {"stopped_at": state["progress"], "processes_saved": len(state["per_process"]), "status": status,
+            "processes_stopped": len(processes), "resumed_from": int(started[1]) if started else None,
             "resumed": resumed, "uninterrupted": uninterrupted,
             "bitwise": resumed["weights_sha256"] == uninterrupted["weights_sha256"]
                        and len(set(resumed["weights_sha256"])) == 1}
+
+
+def stop_launch(launcher: subprocess.Popen, stop: signal.Signals, timeout: float) -> list[psutil.Process]:
+    """Send ``stop`` to torchrun and every process it started, wait for torchrun to end, and return them all."""
+    if stop == signal.SIGKILL:
+        return kill_launch(launcher, timeout)
+    processes = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(stop)
+    launcher.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while still_running(processes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return processes
 
 
 def check_kill_and_resume(processes: int, scratch: Path, *args: str) -> tuple[bool, str]:
@@ -97,11 +123,13 @@ def check_kill_and_resume(processes: int, scratch: Path, *args: str) -> tuple[bo
 
 
 def resume_line(result: dict) -> tuple[bool, str]:
-    """(ok, words) for ``kill_and_resume``'s result: killed mid-epoch, and bitwise equal weights everywhere."""
-    batch = result["stopped_at"]["batch"]
-    return result["bitwise"] and 0 < batch < BATCHES_PER_EPOCH, (
-        f"killed at step {result['stopped_at']['step']} (batch {batch} of {BATCHES_PER_EPOCH}), resumed weights "
-        f"bitwise equal to an uninterrupted run on every rank: {result['bitwise']}")
+    """(ok, words) for ``kill_and_resume``'s result: killed mid-epoch with no process left, resumed from where it
+    stopped, and bitwise equal weights everywhere."""
+    step, batch = result["stopped_at"]["step"], result["stopped_at"]["batch"]
+    ok = result["bitwise"] and 0 < batch < BATCHES_PER_EPOCH and result["resumed_from"] == step
+    return ok, (f"killed at step {step} (batch {batch} of {BATCHES_PER_EPOCH}; {result['processes_stopped']} "
+                f"processes, none left), resumed from step {result['resumed_from']}, weights bitwise equal to an "
+                f"uninterrupted run on every rank: {result['bitwise']}")
 
 
 EQUIVALENCE_RUN = ["--train-examples", "32", "--global-batch-size", "8", "--epochs", "1", "--check-equivalence"]
