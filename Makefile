@@ -10,9 +10,10 @@ NOTEBOOKS := $(shell PYTHONPATH=src $(PYTHON) -c "from pathlib import Path; from
 # Stored notebook outputs must not depend on progress bars, hub look-ups or a data limit: one definition, in
 # src/helpers/checks/notebook_env.py (pytest's conftest.py and gpu-check read the same; it needs no torch).
 NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env)
-# The stored outputs are a CPU's: `make notebooks` makes them and `make test` compares them with every GPU hidden
-# (CUDA_VISIBLE_DEVICES=, also set by conftest.py), on any machine; `make gpu-check` runs the notebooks on the GPUs.
-CPU_NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env --gpus-hidden)
+# The stored outputs are a one-thread CPU's: `make notebooks` makes them and `make test` compares them with every GPU
+# hidden and one thread per process (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1, also set by conftest.py), on any
+# machine; `make gpu-check` runs the notebooks on the GPUs.
+CPU_NB_ENV := $(shell PYTHONPATH=src $(PYTHON) -m helpers.checks.notebook_env --cpu)
 NBVAL := --nbval --nbval-current-env
 # make test NB=03  (or NB="03 solutions/03", or a path): those notebooks only, under nbval, without the unit tests
 NB_FILES := $(foreach nb,$(NB),$(or $(wildcard $(nb)),$(wildcard notebooks/$(nb)*.ipynb),$(error NB=$(nb): no notebook notebooks/$(nb)*.ipynb)))
@@ -46,9 +47,15 @@ venv: venv-check $(STAMP)
 venv-check:
 	@$(TORCH_BUILD) check $(BIN)/python
 
+# make test runs the whole suite in WORKERS processes (pytest-xdist; default 2, the cores CI has), each taking a whole
+# file at a time (conftest.py): a notebook's cells run in order in one kernel. Every process computes with one thread,
+# so two workers share 2 cores without stalling each other. WORKERS=0: one process. NB= runs use one process.
+WORKERS ?= $(if $(NB),0,2)
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS))
+
 # Ends with one line saying what it compared, and that it ran with the GPUs hidden where there are any (conftest.py).
 test: venv-check $(if $(NB),$(STAMP),$(DEV_STAMP))
-	$(CPU_NB_ENV) $(BIN)/python -m pytest $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
+	$(CPU_NB_ENV) $(BIN)/python -m pytest $(XDIST) $(if $(NB),$(NBVAL) $(NB_FILES),tests $(NBVAL) notebooks --durations=20)
 
 unit: venv-check $(DEV_STAMP)
 	$(CPU_NB_ENV) $(BIN)/python -m pytest tests

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.checks.notebook_env import GPUS_HIDDEN, NOTEBOOK_ENV, compared_line, nvml_gpu_count
+from helpers.checks.notebook_env import CPU, NOTEBOOK_ENV, compared_line, nvml_gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_NVML = ROOT / "tests" / "fixtures" / "two_t4_nvml"
@@ -60,7 +60,7 @@ def test_make_test_unit_and_notebooks_hide_the_gpus_and_gpu_check_and_lab_do_not
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Tesla T4'\necho 'GPU 1: Tesla T4'\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    hidden = " ".join(f"{name}={value}" for name, value in (NOTEBOOK_ENV | GPUS_HIDDEN).items())
+    hidden = " ".join(f"{name}={value}" for name, value in (NOTEBOOK_ENV | CPU).items())
     visible = " ".join(f"{name}={value}" for name, value in NOTEBOOK_ENV.items())
     for path in (os.environ["PATH"], f"{fake_bin}:{os.environ['PATH']}"):  # without, then with a driver's nvidia-smi
         for target, variables, program in (("test", (), "-m pytest"), ("test", ("NB=00",), "-m pytest"),
@@ -75,19 +75,22 @@ def test_make_test_unit_and_notebooks_hide_the_gpus_and_gpu_check_and_lab_do_not
 PROBE = """
 import os, subprocess, sys
 
-def test_a_test_and_the_processes_it_starts_see_no_gpu():
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
-    child = [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"]
-    assert subprocess.run(child, capture_output=True, text=True, check=True).stdout == "''\\n"
+def test_a_test_and_the_processes_it_starts_see_no_gpu_and_compute_with_one_thread():
+    import torch
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and torch.get_num_threads() == 1
+    child = [sys.executable, "-c",
+             "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.get_num_threads())"]
+    assert subprocess.run(child, capture_output=True, text=True, check=True).stdout == "'' 1\\n"
 """
 
 
 def test_a_pytest_run_hides_the_gpus_the_shell_names_from_its_tests_and_their_kernels(tmp_path):
-    """A shell that names two GPUs starts pytest: the repository's conftest.py (loaded by name here, since the probe
-    lies outside the repository) hides them from the run's tests and from every process they start, as nbval's
-    kernels are."""
+    """A shell that names two GPUs and two threads starts pytest: the repository's conftest.py (loaded by name here,
+    since the probe lies outside the repository) hides the GPUs and sets one thread for the run's tests and for every
+    process they start, as nbval's kernels are."""
     (tmp_path / "test_probe.py").write_text(PROBE, encoding="utf-8")
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "2",
+                        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                           str(tmp_path / "test_probe.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -14,6 +14,15 @@ GPUS_HIDDEN = {"CUDA_VISIBLE_DEVICES": ""}
 NVML ignores this variable: cells that read NVML (00's device summary, 05's table) keep their outputs out of the
 comparison, and print the machine's GPUs beside a torch that sees none."""
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""The stored outputs are a one-thread CPU's, as torchrun's workers compute: the same on a machine of any number of
+cores (every compared output was the same with 1 and 2 threads, 2026-12-07), and ``make test``'s two workers share
+2 cores without waiting on each other. Two processes of two threads each on 2 cores once slowed a training cell
+from 14 s to 239 s: a parallel region stalls until all its threads get a core."""
+
+CPU = GPUS_HIDDEN | ONE_THREAD
+"""Where the stored outputs are made and compared: ``make notebooks``, ``make test``, any pytest run (conftest.py)."""
+
 
 def lessons_then_solutions(folder: Path) -> list[Path]:
     """The series in ``folder`` (notebooks/, or a GPU run's copy of it): the lessons in order, each followed by its
@@ -56,7 +65,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m helpers.checks.notebook_env",
                                      description="Print the notebooks' environment as shell assignments.")
-    parser.add_argument("--gpus-hidden", action="store_true",
-                        help="add CUDA_VISIBLE_DEVICES= (make notebooks, make test: the stored outputs are a CPU's)")
-    environment = NOTEBOOK_ENV | (GPUS_HIDDEN if parser.parse_args().gpus_hidden else {})
+    parser.add_argument("--cpu", action="store_true",
+                        help="add CUDA_VISIBLE_DEVICES= and OMP_NUM_THREADS=1 (make notebooks, make test: the stored "
+                             "outputs are a one-thread CPU's)")
+    environment = NOTEBOOK_ENV | (CPU if parser.parse_args().cpu else {})
     print(" ".join(f"{name}={value}" for name, value in environment.items()))

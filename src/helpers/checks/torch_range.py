@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from helpers.checks.notebook_env import GPUS_HIDDEN, NOTEBOOK_ENV, lessons_then_solutions
+from helpers.checks.notebook_env import CPU, NOTEBOOK_ENV, lessons_then_solutions
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="execute into this folder and keep it (default: a temporary one, "
                                                    "kept only when a notebook fails)")
     args = parser.parse_args()
-    os.environ.update(NOTEBOOK_ENV | GPUS_HIDDEN)  # before torch is imported, here and in every kernel
+    os.environ.update(NOTEBOOK_ENV | CPU)  # before torch is imported, here and in every kernel
     import torch
 
     notebooks = [path.resolve() for path in args.notebooks] if args.notebooks else lessons_then_solutions(ROOT / "notebooks")
