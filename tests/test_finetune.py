@@ -41,8 +41,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_split_the_global_batch_and_end_with_identical_weights(tmp_path):
-    run = torchrun("-m", "helpers.finetune", *SMALL, "--val-examples", "40", "--output-dir", str(tmp_path))
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One 2-process run under torchrun, with the gradient check make gpu-check runs over NCCL, and its output folder."""
+    out = tmp_path_factory.mktemp("two-processes")
+    command = finetune_command(2, *EQUIVALENCE_RUN, "--val-examples", "40", "--output-dir", str(out))
+    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT), out
+
+
+def test_two_processes_split_the_global_batch_and_end_with_identical_weights(two_processes):
+    run, out = two_processes
     assert run.returncode == 0, run.stderr
     assert "batch 4 per rank x 2 = global batch 8" in run.stdout
     assert run.stdout.count("epoch 1:") == 1  # only rank 0 logs
@@ -52,7 +60,7 @@ def test_two_processes_split_the_global_batch_and_end_with_identical_weights(tmp
     assert first == second
     # what rank 0 reported is what the trained weights score, measured here again in one plain process
     net = Net(pooler=False)
-    load_checkpoint(tmp_path / "model", net)
+    load_checkpoint(out / "model", net)
     assert weights_digest(net) == first
     tokenizer = load_tokenizer()
     again = evaluate(net, DataLoader(load_split("validation")[:40], batch_size=64, collate_fn=PadToLongest(tokenizer)))
@@ -60,9 +68,8 @@ def test_two_processes_split_the_global_batch_and_end_with_identical_weights(tmp
     assert result["history"][0]["val_loss"] == pytest.approx(again["loss"], abs=1e-6)
 
 
-def test_ddp_gradients_on_two_halves_equal_one_process_on_the_whole_batch():
-    run = subprocess.run(finetune_command(2, *EQUIVALENCE_RUN), env=ENV, capture_output=True, text=True,
-                         timeout=TIMEOUT)  # what make gpu-check runs over NCCL
+def test_ddp_gradients_on_two_halves_equal_one_process_on_the_whole_batch(two_processes):
+    run, _ = two_processes
     assert run.returncode == 0, run.stderr
     ok, line = judge_ddp_equivalence(run, "DDP 2 processes")
     assert ok and line.startswith("DDP 2 processes over gloo: max |DDP - one process| gradient "), line
