@@ -3,8 +3,9 @@
 Sets the environment the stored notebook outputs were made in, so that the obvious
 `pytest --nbval notebooks/X.ipynb` compares outputs as `make test` does: without it, the model-loading
 progress bar is an output the notebook does not hold. The stored outputs are a one-thread CPU's, so every GPU is
-hidden from CUDA as well (`make gpu-check` is the test on GPUs), and every process computes with one thread. Kernels started by nbval inherit this process's
-environment; they are this environment's Python (as with --nbval-current-env) unless a kernel is named.
+hidden from CUDA as well (`make gpu-check` is the test on GPUs), and every process computes with one thread.
+Kernels started by nbval inherit this process's environment; they are this environment's Python (as with
+--nbval-current-env) unless a kernel is named.
 The run ends with one line saying what it compared, and where.
 """
 
