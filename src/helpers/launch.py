@@ -163,6 +163,14 @@ def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
     return [process for process in processes if runs(process)]
 
 
+def run_finetune(launch: Launch, *args: str, output_dir: str | Path) -> dict:
+    """``helpers.finetune`` under ``launch``, writing into ``output_dir``: prints what it said without its seconds
+    (they differ from run to run) and its JSON line, and returns ``metrics.json`` (the summary and every loss)."""
+    output = launch.run(*args, "--output-dir", str(output_dir))  # a failed run raises, saying why
+    print("\n".join(re.sub(r"  \([\d.]+ s\)$", "", line) for line in output.splitlines() if not line.startswith("{")))
+    return json.loads((Path(output_dir) / "metrics.json").read_text())
+
+
 def last_json(text: str) -> dict:
     """The last line of ``text`` that is a JSON object, e.g. the summary in a run's output; lines after it
     (warnings printed at exit) are ignored."""
