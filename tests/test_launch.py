@@ -164,7 +164,7 @@ def test_every_multi_process_command_of_every_notebook_is_built_by_launch():
                if STARTS_PROCESSES.search(code)]
     assert spelled == []
     launching = {notebook.relative_to(ROOT).as_posix() for notebook, _, code in code_cells()
-                 if re.search(r"launch\.(run|shell|torchrun)\(", code)}
+                 if re.search(r"launch\.(run|shell|start|torchrun)\(|run_finetune\(launch,", code)}
     assert {"notebooks/06_ddp_torchrun.ipynb", "notebooks/08_fsdp2.ipynb", "notebooks/solutions/06_solutions.ipynb",
             "notebooks/solutions/08_solutions.ipynb"} <= launching
 
