@@ -18,7 +18,7 @@ from helpers.models import ModelChoice, load_bert
 
 class Net(nn.Module):
     """BERT + ``nn.Linear(hidden, num_labels)`` on the [CLS] vector; ``forward`` returns logits, not probabilities.
-    ``pooler=False`` drops BERT's pooler: ``forward`` never uses it, and DDP stops on unused parameters (module docstring)."""
+    ``pooler=False`` drops BERT's pooler: ``forward`` never uses it, and DDP stops on unused parameters (notebook 06's appendix)."""
 
     def __init__(self, model: str | ModelChoice | None = None, num_labels: int = 2, pooler: bool = True):
         super().__init__()
