@@ -19,7 +19,7 @@ rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RA
 if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):  # one GPU for each process here
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)  # where rank 0 is comes from torchrun's environment
+    dist.init_process_group("nccl", device_id=device)  # the address of torchrun's store comes from the environment
 else:
     device = torch.device("cpu")
     dist.init_process_group("gloo")
