@@ -28,8 +28,9 @@ def learning_rates_for(config) -> tuple[float, float]:
     set by the learning rate, not by the gradient's size: about the rate at the first step (for a gradient well
     above eps), then against the sign of the gradient's moving average, and at times larger (at the default betas
     about 3x after a long run of zero gradients, 7.3x at most). An output sums ``hidden_size`` such moves, so a
-    narrower model's outputs move less at the same rate: narrower models (the bundled tiny one: 128) get ten times both, a rule of
-    thumb that notebook 02's exercise 1 checks, not a derivation. The head always learns twice as fast.
+    narrower model's outputs move less at the same rate: narrower models (the bundled tiny one: 128) get ten
+    times both, a rule of thumb that notebook 02's exercise 1 checks, not a derivation. The head always learns
+    twice as fast.
     """
     if config.hidden_size >= 768:
         return 5e-5, 1e-4
