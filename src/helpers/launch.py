@@ -129,9 +129,9 @@ def plan_launch(processes: int = 2, gpus: int | None = None) -> Launch:
 def kill_launch(launcher: subprocess.Popen, timeout: float = 30) -> list[psutil.Process]:
     """Kill torchrun and every process it started, as a crash would (SIGKILL; TerminateProcess on Windows).
 
-    torchrun starts each worker in a session of its own, so neither ``launcher.kill()`` nor a signal to its group
-    reaches them: the workers would train on. Each process is suspended before its children are listed, so none
-    starts another unseen; then all are killed. Returns them once none runs (``still_running``).
+    A signal reaches only its target, so ``launcher.kill()`` spares the workers; they run in sessions of their own,
+    so a signal to torchrun's process group misses them too. Each process is suspended before its children are
+    listed, so none starts another unseen; then all are killed. Returns them once none runs (``still_running``).
     """
     suspended, found = [], [psutil.Process(launcher.pid)] if launcher.poll() is None else []
     while found:

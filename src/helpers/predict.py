@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from helpers.checkpoint import MODEL_FILE, load_checkpoint, read_labels
-from helpers.data import LABELS
+from helpers.data import LABELS, MAX_LENGTH
 from helpers.net import Net
 from helpers.train import input_device, to_device
 
@@ -18,7 +18,7 @@ from helpers.train import input_device, to_device
 def predict_batch(model: nn.Module, tokenizer, texts: list[str],
                   labels: tuple[str, ...] = LABELS) -> list[tuple[str, float]]:
     """One batch: tokenized together, padded to its longest text, computed where ``model`` is."""
-    batch = tokenizer(list(texts), padding="longest", truncation=True, max_length=128, return_tensors="pt")
+    batch = tokenizer(list(texts), padding="longest", truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
     batch = to_device(dict(batch), input_device(model))
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     probabilities, ids = logits.softmax(dim=-1).max(dim=-1)
