@@ -89,7 +89,7 @@ def test_the_h200_context_is_the_training_peak_less_idle_and_reserved_memory():
     (3 MiB used); the snapshot began with 136 MiB reserved, all the training left (nothing ran on the GPU in between)."""
     markdown = "".join("".join(cell["source"]) for name in ("05_gpu_memory", "05_appendix_allocator") for cell in
                        json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text(encoding="utf-8"))["cells"])
-    assert re.search(r"887 MiB", markdown) and re.search(r"(?<![\d,])3 MiB", markdown) and "748 MiB" in markdown
+    assert "{0: '887 MiB'}" in markdown and re.search(r"NVIDIA H200\s+3 MiB 143,771 MiB", markdown)
     reserved = sum(size for size, _ in snapshot_start(snapshot()).values())
     assert nvidia_smi.H200_TRAINING_CONTEXT == 887 * MIB - 3 * MIB - reserved == 748 * MIB
     assert nvidia_smi.cuda_context(H200) == nvidia_smi.H200 and nvidia_smi.cuda_context(T4) == nvidia_smi.LAZY
